@@ -1,0 +1,85 @@
+"""Explicit cache pytrees. They are passed into jitted steps and returned, never module state.
+
+- `KDAState` per KDA layer, indexed by a request's state slot (slot 0 is the null slot that
+  padding rows point at): the three pre-conv windows and the recurrent state S (fp32).
+- `MLACache` per MLA layer: paged latent rows `[num_pages, page_size, L + R]`, reached through
+  a block table. A contiguous per-sequence cache is the special case of one page a sequence.
+- `Batch`: the metadata of one step, all arrays, so one compiled step serves any batch of the
+  same bucket shape.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_linear_jax.config import KimiLinearConfig
+
+
+class KDAState(NamedTuple):
+    conv_q: jax.Array  # [slots, W-1, P]
+    conv_k: jax.Array  # [slots, W-1, P]
+    conv_v: jax.Array  # [slots, W-1, P]
+    S: jax.Array  # [slots, H, K, V] float32
+
+
+class MLACache(NamedTuple):
+    latent: jax.Array  # [num_pages, page_size, L + R]
+
+
+class ModelCache(NamedTuple):
+    kda: tuple[KDAState, ...]  # one per KDA layer, in layer order
+    mla: tuple[MLACache, ...]  # one per MLA layer, in layer order
+
+
+class Batch(NamedTuple):
+    """Metadata of one cached step over B rows of T tokens (right padded).
+
+    slots [B]: state slot of each row (0 for padding rows); block_table [B, max_pages]: page ids;
+    start [B]: tokens of the row already in the cache; lengths [B]: valid new tokens (<= T).
+    """
+
+    slots: jax.Array
+    block_table: jax.Array
+    start: jax.Array
+    lengths: jax.Array
+
+
+def init_kda_state(config: KimiLinearConfig, num_slots: int, dtype) -> KDAState:
+    W = config.short_conv_kernel_size
+    P = config.kda_dim
+    H, d = config.linear_num_heads, config.linear_head_dim
+    window = jnp.zeros((num_slots, W - 1, P), dtype)
+    return KDAState(window, window, window, jnp.zeros((num_slots, H, d, d), jnp.float32))
+
+
+def init_cache(
+    config: KimiLinearConfig, *, num_slots: int, num_pages: int, page_size: int, dtype
+) -> ModelCache:
+    """Zeroed caches for `num_slots` state slots and `num_pages` latent pages per MLA layer."""
+    kda = tuple(init_kda_state(config, num_slots, dtype) for _ in config.kda_layer_ids)
+    latent = jnp.zeros((num_pages, page_size, config.latent_dim), dtype)
+    mla = tuple(MLACache(latent) for _ in config.mla_layer_ids)
+    return ModelCache(kda, mla)
+
+
+def contiguous_batch(
+    batch_size: int, max_len: int, page_size: int, *, start=None, lengths=None
+) -> Batch:
+    """A Batch for `batch_size` sequences with private pages and slots 1..B.
+
+    Sequence b owns pages [b * n, (b + 1) * n) with n = ceil(max_len / page_size); the cache
+    then needs `batch_size * n` pages and `batch_size + 1` slots.
+    """
+    n = -(-max_len // page_size)
+    table = np.arange(batch_size * n, dtype=np.int32).reshape(batch_size, n)
+    zeros = np.zeros(batch_size, np.int32)
+    return Batch(
+        slots=jnp.arange(1, batch_size + 1, dtype=jnp.int32),
+        block_table=jnp.asarray(table),
+        start=jnp.asarray(zeros if start is None else start, jnp.int32),
+        lengths=jnp.asarray(zeros if lengths is None else lengths, jnp.int32),
+    )

@@ -1,0 +1,1 @@
+"""Flax NNX layers of Kimi Linear, one layer kind a file."""

@@ -1,0 +1,134 @@
+"""Kimi Delta Attention layer: projections, short convs, gates, the delta-rule recurrence,
+gated per-head norm and output projection. The recurrence itself lives in `ops/kda.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_linear_jax.cache import KDAState
+from kimi_linear_jax.config import KimiLinearConfig
+from kimi_linear_jax.layers.linear import Linear
+from kimi_linear_jax.layers.norm import GatedRMSNorm
+from kimi_linear_jax.layers.short_conv import (
+    ShortConv,
+    next_window,
+    window_after_each_step,
+)
+from kimi_linear_jax.ops import kda as kda_ops
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) per head, eps inside the sqrt (as the reference kernels)."""
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class KDA(nnx.Module):
+    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs):
+        D, P, H, d = (
+            config.hidden_size,
+            config.kda_dim,
+            config.linear_num_heads,
+            config.linear_head_dim,
+        )
+        W = config.short_conv_kernel_size
+        self.num_heads, self.head_dim = H, d
+        self.q_proj = Linear(D, P, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(D, P, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(D, P, dtype=dtype, rngs=rngs)
+        self.q_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
+        self.k_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
+        self.v_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
+        # Decay parameters stay fp32 whatever the model dtype: the state is sensitive to them.
+        key = rngs.params()
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(key, (1, 1, H, 1), jnp.float32, 1.0, 16.0))
+        )
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (P,), jnp.float32, -6.9, -2.3))
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
+        self.f_a_proj = Linear(D, d, dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear(d, P, dtype=dtype, rngs=rngs)
+        self.b_proj = Linear(D, H, dtype=dtype, rngs=rngs)
+        self.g_a_proj = Linear(D, d, dtype=dtype, rngs=rngs)
+        self.g_b_proj = Linear(d, P, dtype=dtype, rngs=rngs)
+        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.o_proj = Linear(P, D, dtype=dtype, rngs=rngs)
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _heads(self, x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+
+    def _decay(self, x: jax.Array) -> jax.Array:
+        """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), [B, T, H, d] fp32, g <= 0."""
+        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+        f = self._heads(f)
+        softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+        return -jnp.exp(self.A_log[...]) * softplus
+
+    def _pre(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pre-conv q, k, v projections: what the conv windows remember."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _qkvgb(self, x, pre, windows, lengths=None):
+        """Conv'd, normalised q, k, v plus g and beta, all fp32; padded tokens neutralised."""
+        q = self.q_conv1d(pre[0], windows[0])
+        k = self.k_conv1d(pre[1], windows[1])
+        v = self.v_conv1d(pre[2], windows[2])
+        q, k, v = (self._heads(t).astype(jnp.float32) for t in (q, k, v))
+        q, k = l2_normalize(q), l2_normalize(k)
+        g = self._decay(x)
+        beta = jax.nn.sigmoid(self.b_proj(x)).astype(jnp.float32)
+        if lengths is not None:
+            # beta = 0, g = 0, k = 0 make a padded step the identity on the state.
+            valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+            k = jnp.where(valid[..., None, None], k, 0.0)
+            g = jnp.where(valid[..., None, None], g, 0.0)
+            beta = jnp.where(valid[..., None], beta, 0.0)
+        return q, k, v, g, beta
+
+    def _out(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        gate = self._heads(self.g_b_proj(self.g_a_proj(x)))
+        o = self.o_norm(o.astype(x.dtype), gate)
+        return self.o_proj(o.reshape(*o.shape[:-2], -1))
+
+    def _windows(self, x, state: KDAState | None):
+        if state is not None:
+            return state.conv_q, state.conv_k, state.conv_v
+        W = self.q_conv1d.weight.shape[-1]
+        z = jnp.zeros((x.shape[0], W - 1, self.num_heads * self.head_dim), x.dtype)
+        return z, z, z
+
+    # ---- entries ---------------------------------------------------------------------------
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """No-cache forward [B, T, D] -> [B, T, D] (chunked recurrence, differentiable)."""
+        q, k, v, g, beta = self._qkvgb(x, self._pre(x), self._windows(x, None))
+        o, _ = kda_ops.kda_chunked(q, k, v, g, beta)
+        return self._out(x, o)
+
+    def prefill(self, x: jax.Array, state: KDAState, lengths: jax.Array):
+        """Chunked pass from the rows' states; returns (y, state after token lengths-1)."""
+        windows, pre = self._windows(x, state), self._pre(x)
+        q, k, v, g, beta = self._qkvgb(x, pre, windows, lengths)
+        o, S = kda_ops.kda_chunked(q, k, v, g, beta, state.S)
+        new = KDAState(*(next_window(w, p, lengths) for w, p in zip(windows, pre)), S)
+        return self._out(x, o), new
+
+    def decode(self, x: jax.Array, state: KDAState, lengths: jax.Array):
+        """Window pass (T small: decode or verify).
+
+        Returns (y, per_step) where per_step is a KDAState whose arrays carry a step axis:
+        conv windows [B, T, W-1, P] and S [B, T, H, K, V], the state after each step t.
+        `commit(state, per_step, n)` picks the state after step n - 1.
+        """
+        windows, pre = self._windows(x, state), self._pre(x)
+        q, k, v, g, beta = self._qkvgb(x, pre, windows)
+        o, states = kda_ops.kda_window(q, k, v, g, beta, state.S)
+        steps = tuple(window_after_each_step(w, p) for w, p in zip(windows, pre))
+        return self._out(x, o), KDAState(*steps, states)
+
+
+def commit(state: KDAState, per_step: KDAState, n: jax.Array) -> KDAState:
+    """The state after step n[b] - 1 of a window (n = 0 keeps `state`), by a gather on device."""
+    return KDAState(*(kda_ops.kda_commit(s, p, n) for s, p in zip(state, per_step)))

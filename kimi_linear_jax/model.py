@@ -1,0 +1,170 @@
+"""KimiLinearForCausalLM: embeddings, decoder blocks, final norm, lm head.
+
+Entries:
+- `model(input_ids)`: int32 [B, T] -> f32 logits [B, T, vocab]; no cache; differentiable.
+- `model.prefill(ids, cache, batch)`: a chunk of new tokens per row (chunked KDA, naive MLA),
+  caches in and out.
+- `model.decode(ids, cache, batch)`: T >= 1 new tokens per row (KDA window, absorbed MLA over
+  the paged cache); `model.verify` is the same pass with the KDA commit left to the caller.
+For jitted serving steps use `prefill_step` / `decode_step` on `nnx.split(model)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_linear_jax.cache import Batch, KDAState, ModelCache
+from kimi_linear_jax.config import KimiLinearConfig
+from kimi_linear_jax.layers.block import DecoderBlock
+from kimi_linear_jax.layers.kda import commit
+from kimi_linear_jax.layers.linear import Embed, Linear
+from kimi_linear_jax.layers.norm import RMSNorm
+from kimi_linear_jax.ops.mla import mla_paged_attention_reference
+
+DEFAULT_BACKEND = mla_paged_attention_reference
+
+
+class Backbone(nnx.Module):
+    """The `model.*` part of the checkpoint."""
+
+    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                DecoderBlock(config, i, dtype=dtype, rngs=rngs)
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+def _rows(state: KDAState, slots: jax.Array) -> KDAState:
+    return KDAState(*(a[slots] for a in state))
+
+
+def _scatter(state: KDAState, slots: jax.Array, rows: KDAState) -> KDAState:
+    return KDAState(*(a.at[slots].set(r.astype(a.dtype)) for a, r in zip(state, rows)))
+
+
+class KimiLinearForCausalLM(nnx.Module):
+    def __init__(
+        self, config: KimiLinearConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None
+    ):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.model = Backbone(config, dtype=dtype, rngs=rngs)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.model.embed_tokens.weight.dtype
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        return self.lm_head(self.model.norm(x)).astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        x = self.model.embed_tokens(input_ids)
+        for block in self.model.layers:
+            x = block(x)
+        return self._logits(x)
+
+    def prefill(
+        self,
+        input_ids: jax.Array,
+        cache: ModelCache,
+        batch: Batch,
+        *,
+        has_prefix: bool = False,
+        backend=DEFAULT_BACKEND,
+        last_only: bool = False,
+    ) -> tuple[jax.Array, ModelCache]:
+        """Run a right-padded chunk [B, T] (row b has batch.lengths[b] tokens after
+        batch.start[b] cached ones). `has_prefix` (static) attends to cached tokens too; leave
+        it False when every row starts at 0. `last_only` returns logits of each row's last
+        valid token only: [B, vocab]."""
+        x = self.model.embed_tokens(input_ids)
+        kda, mla = list(cache.kda), list(cache.mla)
+        ik = im = 0
+        for block in self.model.layers:
+            h = block.input_layernorm(x)
+            if block.kind == "kda":
+                y, new = block.self_attn.prefill(h, _rows(kda[ik], batch.slots), batch.lengths)
+                kda[ik] = _scatter(kda[ik], batch.slots, new)
+                ik += 1
+            else:
+                y, mla[im] = block.self_attn.prefill(
+                    h, mla[im], batch, has_prefix=has_prefix, backend=backend
+                )
+                im += 1
+            x = block.ffn(x + y)
+        if last_only:
+            idx = jnp.maximum(batch.lengths - 1, 0)
+            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+        return self._logits(x), ModelCache(tuple(kda), tuple(mla))
+
+    def verify(
+        self, input_ids: jax.Array, cache: ModelCache, batch: Batch, *, backend=DEFAULT_BACKEND
+    ) -> tuple[jax.Array, ModelCache, tuple[KDAState, ...]]:
+        """Window pass over [B, T] new tokens. MLA rows are written; KDA states are NOT
+        committed: returns the per-step states of every KDA layer (`KDAState` arrays with a
+        step axis) for `commit_kda` to pick from once the accepted length is known."""
+        x = self.model.embed_tokens(input_ids)
+        mla = list(cache.mla)
+        per_step = []
+        ik = im = 0
+        for block in self.model.layers:
+            h = block.input_layernorm(x)
+            if block.kind == "kda":
+                y, steps = block.self_attn.decode(
+                    h, _rows(cache.kda[ik], batch.slots), batch.lengths
+                )
+                per_step.append(steps)
+                ik += 1
+            else:
+                y, mla[im] = block.self_attn.decode(h, mla[im], batch, backend=backend)
+                im += 1
+            x = block.ffn(x + y)
+        return self._logits(x), ModelCache(cache.kda, tuple(mla)), tuple(per_step)
+
+    def decode(
+        self, input_ids: jax.Array, cache: ModelCache, batch: Batch, *, backend=DEFAULT_BACKEND
+    ) -> tuple[jax.Array, ModelCache]:
+        """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]."""
+        logits, cache, per_step = self.verify(input_ids, cache, batch, backend=backend)
+        return logits, commit_kda(cache, per_step, batch.slots, batch.lengths)
+
+
+def commit_kda(
+    cache: ModelCache, per_step: tuple[KDAState, ...], slots: jax.Array, n: jax.Array
+) -> ModelCache:
+    """Store in each row's slot the KDA state and conv windows after step n[b] - 1 of the
+    window, for every KDA layer (n = 0 leaves the slot unchanged)."""
+    kda = []
+    for state, steps in zip(cache.kda, per_step):
+        rows = _rows(state, slots)
+        kda.append(_scatter(state, slots, commit(rows, steps, n)))
+    return ModelCache(tuple(kda), cache.mla)
+
+
+# ---- jitted steps over nnx.split(model) ------------------------------------------------------
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "has_prefix", "last_only"), donate_argnames=("cache",)
+)
+def prefill_step(graphdef, params, input_ids, cache, batch, has_prefix=False, last_only=True):
+    model = nnx.merge(graphdef, params)
+    return model.prefill(input_ids, cache, batch, has_prefix=has_prefix, last_only=last_only)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def decode_step(graphdef, params, input_ids, cache, batch):
+    model = nnx.merge(graphdef, params)
+    return model.decode(input_ids, cache, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def forward(graphdef, params, input_ids):
+    return nnx.merge(graphdef, params)(input_ids)
