@@ -52,8 +52,9 @@ def init_kda_state(config: KimiLinearConfig, num_slots: int, dtype) -> KDAState:
     W = config.short_conv_kernel_size
     P = config.kda_dim
     H, d = config.linear_num_heads, config.linear_head_dim
-    window = jnp.zeros((num_slots, W - 1, P), dtype)
-    return KDAState(window, window, window, jnp.zeros((num_slots, H, d, d), jnp.float32))
+    # Distinct buffers (not one shared zeros array): the caches are donated to jitted steps.
+    windows = [jnp.zeros((num_slots, W - 1, P), dtype) for _ in range(3)]
+    return KDAState(*windows, jnp.zeros((num_slots, H, d, d), jnp.float32))
 
 
 def init_cache(
@@ -61,8 +62,8 @@ def init_cache(
 ) -> ModelCache:
     """Zeroed caches for `num_slots` state slots and `num_pages` latent pages per MLA layer."""
     kda = tuple(init_kda_state(config, num_slots, dtype) for _ in config.kda_layer_ids)
-    latent = jnp.zeros((num_pages, page_size, config.latent_dim), dtype)
-    mla = tuple(MLACache(latent) for _ in config.mla_layer_ids)
+    shape = (num_pages, page_size, config.latent_dim)
+    mla = tuple(MLACache(jnp.zeros(shape, dtype)) for _ in config.mla_layer_ids)
     return ModelCache(kda, mla)
 
 

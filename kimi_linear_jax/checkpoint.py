@@ -145,7 +145,8 @@ def _match(slots: list[_Slot], where: dict[str, SafetensorsFile]) -> dict[_Slot,
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise MissingTensorError(f"checkpoint is missing tensor(s) {missing[:5]}{more}")
     taken = {n for names in used.values() for n in names}
-    extra = sorted(set(where) - taken)
+    # transformers writes zero-size shared experts when num_shared_experts = 0: nothing to load.
+    extra = sorted(n for n in set(where) - taken if 0 not in where[n].shape(n))
     if extra:
         raise UnexpectedTensorError(f"checkpoint has unexpected tensor(s) {extra[:5]}")
     for s, names in used.items():

@@ -150,6 +150,11 @@ def commit_kda(
     return ModelCache(tuple(kda), cache.mla)
 
 
+def init_model(config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32):
+    """A randomly initialised model (seeded, reproducible)."""
+    return KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
 # ---- jitted steps over nnx.split(model) ------------------------------------------------------
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "has_prefix", "last_only"), donate_argnames=("cache",)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import KDAState
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import Linear
+from kimi_linear_jax.layers.linear import Linear, init_uniform
 from kimi_linear_jax.layers.norm import GatedRMSNorm
 from kimi_linear_jax.layers.short_conv import (
     ShortConv,
@@ -42,11 +42,8 @@ class KDA(nnx.Module):
         self.k_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
         self.v_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
         # Decay parameters stay fp32 whatever the model dtype: the state is sensitive to them.
-        key = rngs.params()
-        self.A_log = nnx.Param(
-            jnp.log(jax.random.uniform(key, (1, 1, H, 1), jnp.float32, 1.0, 16.0))
-        )
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (P,), jnp.float32, -6.9, -2.3))
+        self.A_log = nnx.Param(jnp.log(init_uniform(rngs, (1, 1, H, 1), 1.0, 16.0)))
+        dt = jnp.exp(init_uniform(rngs, (P,), -6.9, -2.3))  # dt in [1e-3, 1e-1]
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
         self.f_a_proj = Linear(D, d, dtype=dtype, rngs=rngs)
         self.f_b_proj = Linear(d, P, dtype=dtype, rngs=rngs)
@@ -129,6 +126,15 @@ class KDA(nnx.Module):
         return self._out(x, o), KDAState(*steps, states)
 
 
+def pick_step(initial: jax.Array, steps: jax.Array, n: jax.Array) -> jax.Array:
+    """steps[b, n[b] - 1] ([B, T, ...] -> [B, ...]), or initial[b] where n[b] == 0."""
+    idx = jnp.clip(n - 1, 0, steps.shape[1] - 1).reshape(-1, 1, *([1] * (steps.ndim - 2)))
+    picked = jnp.take_along_axis(steps, idx, axis=1)[:, 0]
+    keep = (n == 0).reshape(-1, *([1] * (initial.ndim - 1)))
+    return jnp.where(keep, initial.astype(steps.dtype), picked)
+
+
 def commit(state: KDAState, per_step: KDAState, n: jax.Array) -> KDAState:
-    """The state after step n[b] - 1 of a window (n = 0 keeps `state`), by a gather on device."""
-    return KDAState(*(kda_ops.kda_commit(s, p, n) for s, p in zip(state, per_step)))
+    """The state and conv windows after step n[b] - 1 of a window (n = 0 keeps `state`): a
+    functional gather on device, no host round trip."""
+    return KDAState(*(pick_step(s, p, n) for s, p in zip(state, per_step)))

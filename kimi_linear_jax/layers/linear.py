@@ -8,11 +8,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
+def _host_rng(key: jax.Array) -> np.random.Generator:
+    return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+
+
 def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    """N(0, std^2) weights. Eagerly the draw happens in numpy: an eager jax.random call
+    compiles once per shape, which made building even the tiny model take ~20 s on a CPU."""
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer):
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jnp.asarray(std * _host_rng(key).standard_normal(shape, np.float32), dtype)
+
+
+def init_uniform(rngs: nnx.Rngs, shape: tuple[int, ...], low: float, high: float) -> jax.Array:
+    """U(low, high) float32 values, drawn like `init_normal`."""
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer):
+        return jax.random.uniform(key, shape, jnp.float32, low, high)
+    return jnp.asarray(_host_rng(key).uniform(low, high, shape), jnp.float32)
 
 
 class Linear(nnx.Module):

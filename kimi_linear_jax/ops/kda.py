@@ -1,0 +1,294 @@
+"""Kimi Delta Attention (KDA) in pure JAX.
+
+Per head the state ``S`` is a ``[K, V]`` matrix. For every token ``t``::
+
+    S   = S * exp(g_t)[:, None]                  # per-key-channel decay
+    S   = S + k_t (beta_t (v_t - S^T k_t))^T     # delta rule on the decayed state
+    o_t = S^T (q_t * scale)
+
+Shape letters: B batch, T tokens, H heads, K key dim, V value dim, C chunk length.
+Inputs use the ``[B, T, H, ...]`` layout; ``q`` and ``k`` are expected to be L2-normalised
+already, ``g <= 0`` is a log-decay per key channel and ``beta`` lies in ``(0, 1)``.
+
+All math runs in the promoted dtype of the inputs, at least float32.
+
+* :func:`kda_recurrent` - token-by-token reference.
+* :func:`kda_chunked` - chunk-parallel prefill path (same result, far fewer sequential steps).
+* :func:`kda_window` - small-T path returning the state after every step (decode / verify).
+* :func:`kda_commit` / :func:`kda_replay` - pick the state after an accepted prefix.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+Array = jax.Array
+
+# Accelerators default to bf16/TF32 passes for float32 dots, which would break parity with the
+# recurrent reference; the state recursion amplifies such errors over long sequences.
+_PREC = lax.Precision.HIGHEST
+
+
+def _compute_dtype(*xs: Array | None) -> jnp.dtype:
+    return jnp.result_type(*[x for x in xs if x is not None], jnp.float32)
+
+
+def _init_state(state: Array | None, shape: tuple[int, ...], dtype: jnp.dtype) -> Array:
+    if state is None:
+        return jnp.zeros(shape, dtype)
+    if state.shape != shape:
+        raise ValueError(f"initial_state has shape {state.shape}, expected {shape}")
+    return state.astype(dtype)
+
+
+def _prepare(q, k, v, g, beta, initial_state, scale):
+    """Cast inputs to the compute dtype and resolve the state and scale defaults."""
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    state = _init_state(initial_state, (b, h, dk, dv), dtype)
+    scale = dk**-0.5 if scale is None else scale
+    return q, k, v, g, beta, state, scale
+
+
+def _delta_step(state: Array, k_t: Array, v_t: Array, g_t: Array, b_t: Array) -> Array:
+    """One token of the recurrence.
+
+    state [B,H,K,V], k_t/g_t [B,H,K], v_t [B,H,V], b_t [B,H] -> state [B,H,K,V].
+    """
+    state = state * jnp.exp(g_t)[..., None]
+    pred = jnp.einsum("bhk,bhkv->bhv", k_t, state, precision=_PREC)
+    delta = b_t[..., None] * (v_t - pred)
+    return state + k_t[..., :, None] * delta[..., None, :]
+
+
+def _run_steps(q, k, v, g, beta, state, scale, *, keep_states: bool):
+    """Scan the recurrence over T.
+
+    Returns o [B,T,H,V], the final state [B,H,K,V] and, if ``keep_states``, the state after
+    every step [B,T,H,K,V] (else None).
+    """
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = _delta_step(s, k_t, v_t, g_t, b_t)
+        o_t = jnp.einsum("bhk,bhkv->bhv", q_t * scale, s, precision=_PREC)
+        return s, ((o_t, s) if keep_states else o_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    final, ys = lax.scan(step, state, xs)
+    if keep_states:
+        o, states = ys
+        return jnp.moveaxis(o, 0, 1), final, jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(ys, 0, 1), final, None
+
+
+def kda_recurrent(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """Reference KDA: a ``lax.scan`` over tokens.
+
+    Args:
+      q, k: [B,T,H,K], L2-normalised.
+      v: [B,T,H,V].
+      g: [B,T,H,K] log-decay (<= 0).
+      beta: [B,T,H] in (0, 1).
+      initial_state: [B,H,K,V] or None for zeros.
+      scale: query scale, default K**-0.5.
+
+    Returns:
+      o [B,T,H,V] and the final state [B,H,K,V], both in the compute dtype.
+    """
+    q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
+    o, final, _ = _run_steps(q, k, v, g, beta, state, scale, keep_states=False)
+    return o, final
+
+
+def _intra_chunk(q: Array, k: Array, gc: Array, beta: Array, scale: float):
+    """Within-chunk interaction matrices.
+
+    q, k, gc (cumulative log-decay) [B,H,C,K], beta [B,H,C] -> Akk, Aqk [B,H,C,C] where Akk is
+    strictly lower triangular and already scaled by beta on its rows.
+    """
+    c = gc.shape[-2]
+    causal = jnp.tril(jnp.ones((c, c), dtype=bool))
+    # The exponent must be masked before exp: above the diagonal it is positive and, with strong
+    # decay, large enough to overflow (and an inf times a zero mask is NaN, also in gradients).
+    diff = gc[..., :, None, :] - gc[..., None, :, :]
+    decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    akk = jnp.einsum("bhijk,bhjk->bhij", k[..., :, None, :] * decay, k, precision=_PREC)
+    aqk = jnp.einsum("bhijk,bhjk->bhij", q[..., :, None, :] * decay, k, precision=_PREC)
+    akk = beta[..., :, None] * jnp.tril(akk, -1)
+    return akk, aqk * scale
+
+
+def _chunk_step(state: Array, xs, *, scale: float):
+    """Advance the state over one chunk.
+
+    state [B,H,K,V]; xs = q, k, g [B,H,C,K], v [B,H,C,V], beta [B,H,C].
+    Returns the new state and o [B,H,C,V].
+    """
+    q, k, v, g, beta = xs
+    dk = k.shape[-1]
+    gc = jnp.cumsum(g, axis=-2)
+    akk, aqk = _intra_chunk(q, k, gc, beta, scale)
+    # One solve for both right-hand sides: W = M (exp(G) k) and U = M v, M = (I + Akk)^-1 beta.
+    rhs = beta[..., None] * jnp.concatenate([jnp.exp(gc) * k, v], axis=-1)
+    eye = jnp.eye(akk.shape[-1], dtype=akk.dtype)
+    wu = solve_triangular(akk + eye, rhs, lower=True, unit_diagonal=True)
+    w, u = wu[..., :dk], wu[..., dk:]
+
+    vn = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_PREC)
+    o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gc) * scale, state, precision=_PREC)
+    o = o + jnp.einsum("bhij,bhjv->bhiv", aqk, vn, precision=_PREC)
+
+    g_last = gc[..., -1, :]
+    k_tail = jnp.exp(g_last[..., None, :] - gc) * k
+    state = jnp.exp(g_last)[..., None] * state
+    state = state + jnp.einsum("bhck,bhcv->bhkv", k_tail, vn, precision=_PREC)
+    return state, o
+
+
+def _to_chunks(x: Array, n_chunks: int, chunk: int) -> Array:
+    """[B,T,H,...] -> [N,B,H,C,...], zero-padding T up to N*C."""
+    pad = n_chunks * chunk - x.shape[1]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], n_chunks, chunk, *x.shape[2:])
+    # Heads ahead of the chunk axis so per-chunk matmuls see [.., C, K] operands.
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+
+def kda_chunked(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None = None,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Chunk-parallel KDA for prefill; equals :func:`kda_recurrent`.
+
+    Args:
+      q, k: [B,T,H,K], L2-normalised.
+      v: [B,T,H,V].
+      g: [B,T,H,K] log-decay (<= 0).
+      beta: [B,T,H] in (0, 1).
+      initial_state: [B,H,K,V] or None for zeros.
+      scale: query scale, default K**-0.5.
+      chunk_size: C, static. T need not be a multiple of C.
+
+    Returns:
+      o [B,T,H,V] and the final state [B,H,K,V], both in the compute dtype.
+    """
+    q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
+    b, t, h, _ = q.shape
+    dv = v.shape[-1]
+    if t == 0:
+        return jnp.zeros((b, 0, h, dv), state.dtype), state
+
+    n_chunks = -(-t // chunk_size)
+    # Zero padding is a no-op step: g = 0 keeps the state, beta = 0 and k = 0 add nothing.
+    xs = tuple(_to_chunks(x, n_chunks, chunk_size) for x in (q, k, v, g, beta))
+
+    def body(s, x):
+        return _chunk_step(s, x, scale=scale)
+
+    # The [B,H,C,C,K] decay tensor is built per chunk inside the scan, which bounds peak memory
+    # by one chunk instead of the whole sequence.
+    final, o = lax.scan(body, state, xs)
+    o = jnp.moveaxis(o, 0, 1)  # [B,N,H,C,V]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n_chunks * chunk_size, h, dv)
+    return o[:, :t], final
+
+
+def kda_window(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None,
+    *,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """Small-T KDA (decode T=1, speculative verify T=k+1) keeping every intermediate state.
+
+    Args:
+      q, k: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K]; beta: [B,T,H].
+      initial_state: [B,H,K,V] (None means zeros).
+      scale: query scale, default K**-0.5.
+
+    Returns:
+      o [B,T,H,V] and states [B,T,H,K,V], where states[:, t] is the state after token t.
+    """
+    q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
+    o, _, states = _run_steps(q, k, v, g, beta, state, scale, keep_states=True)
+    return o, states
+
+
+def kda_commit(initial_state: Array, states: Array, commit_lens: Array) -> Array:
+    """Select the state after the first ``commit_lens[b]`` tokens of a window.
+
+    Args:
+      initial_state: [B,H,K,V], the state before the window.
+      states: [B,T,H,K,V] from :func:`kda_window`.
+      commit_lens: int [B] in [0, T]; 0 keeps ``initial_state``.
+
+    Returns:
+      [B,H,K,V] in the dtype of ``states``.
+    """
+    initial_state = initial_state.astype(states.dtype)
+    if states.shape[1] == 0:
+        return initial_state
+    commit_lens = jnp.asarray(commit_lens, jnp.int32)
+    idx = jnp.clip(commit_lens - 1, 0, states.shape[1] - 1)
+    picked = jnp.take_along_axis(states, idx[:, None, None, None, None], axis=1)[:, 0]
+    return jnp.where((commit_lens == 0)[:, None, None, None], initial_state, picked)
+
+
+def kda_replay(
+    initial_state: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    commit_lens: Array,
+) -> Array:
+    """Re-run the first ``commit_lens[b]`` tokens of a window from ``initial_state``.
+
+    Needs only one state per sequence instead of T, at the cost of a second pass; the result
+    equals ``kda_commit(initial_state, kda_window(...)[1], commit_lens)``.
+
+    Args:
+      initial_state: [B,H,K,V].
+      k: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K]; beta: [B,T,H].
+      commit_lens: int [B] in [0, T].
+
+    Returns:
+      [B,H,K,V] in the compute dtype.
+    """
+    # q only feeds outputs, which replay does not produce.
+    _, k, v, g, beta, state, _ = _prepare(k, k, v, g, beta, initial_state, 1.0)
+    commit_lens = jnp.asarray(commit_lens, jnp.int32)
+
+    def step(s, xs):
+        t, k_t, v_t, g_t, b_t = xs
+        active = (t < commit_lens)[:, None, None, None]
+        return jnp.where(active, _delta_step(s, k_t, v_t, g_t, b_t), s), None
+
+    steps = jnp.arange(k.shape[1], dtype=jnp.int32)
+    xs = (steps, *(jnp.moveaxis(x, 1, 0) for x in (k, v, g, beta)))
+    final, _ = lax.scan(step, state, xs)
+    return final
