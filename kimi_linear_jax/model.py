@@ -64,7 +64,8 @@ class KimiLinearForCausalLM(nnx.Module):
         return self.model.embed_tokens.weight.dtype
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        return self.lm_head(self.model.norm(x)).astype(jnp.float32)
+        logits = self.lm_head(self.model.norm(x))
+        return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # f64 stays f64
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         x = self.model.embed_tokens(input_ids)

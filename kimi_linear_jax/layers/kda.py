@@ -10,7 +10,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import KDAState
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import Linear, init_uniform
+from kimi_linear_jax.layers.linear import Linear, acc_dtype, init_uniform
 from kimi_linear_jax.layers.norm import GatedRMSNorm
 from kimi_linear_jax.layers.short_conv import (
     ShortConv,
@@ -59,7 +59,8 @@ class KDA(nnx.Module):
 
     def _decay(self, x: jax.Array) -> jax.Array:
         """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), [B, T, H, d] fp32, g <= 0."""
-        f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+        f = self.f_b_proj(self.f_a_proj(x))
+        f = f.astype(acc_dtype(f)) + self.dt_bias[...]
         f = self._heads(f)
         softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
         return -jnp.exp(self.A_log[...]) * softplus
@@ -73,10 +74,11 @@ class KDA(nnx.Module):
         q = self.q_conv1d(pre[0], windows[0])
         k = self.k_conv1d(pre[1], windows[1])
         v = self.v_conv1d(pre[2], windows[2])
-        q, k, v = (self._heads(t).astype(jnp.float32) for t in (q, k, v))
+        acc = acc_dtype(q)
+        q, k, v = (self._heads(t).astype(acc) for t in (q, k, v))
         q, k = l2_normalize(q), l2_normalize(k)
         g = self._decay(x)
-        beta = jax.nn.sigmoid(self.b_proj(x)).astype(jnp.float32)
+        beta = jax.nn.sigmoid(self.b_proj(x)).astype(acc)
         if lengths is not None:
             # beta = 0, g = 0, k = 0 make a padded step the identity on the state.
             valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
@@ -126,15 +128,7 @@ class KDA(nnx.Module):
         return self._out(x, o), KDAState(*steps, states)
 
 
-def pick_step(initial: jax.Array, steps: jax.Array, n: jax.Array) -> jax.Array:
-    """steps[b, n[b] - 1] ([B, T, ...] -> [B, ...]), or initial[b] where n[b] == 0."""
-    idx = jnp.clip(n - 1, 0, steps.shape[1] - 1).reshape(-1, 1, *([1] * (steps.ndim - 2)))
-    picked = jnp.take_along_axis(steps, idx, axis=1)[:, 0]
-    keep = (n == 0).reshape(-1, *([1] * (initial.ndim - 1)))
-    return jnp.where(keep, initial.astype(steps.dtype), picked)
-
-
 def commit(state: KDAState, per_step: KDAState, n: jax.Array) -> KDAState:
     """The state and conv windows after step n[b] - 1 of a window (n = 0 keeps `state`): a
     functional gather on device, no host round trip."""
-    return KDAState(*(pick_step(s, p, n) for s, p in zip(state, per_step)))
+    return KDAState(*(kda_ops.kda_commit(s, p, n) for s, p in zip(state, per_step)))

@@ -12,6 +12,12 @@ import numpy as np
 from flax import nnx
 
 
+def acc_dtype(*xs) -> jnp.dtype:
+    """The accumulation dtype: float32, or float64 when the inputs are float64 (the gradient
+    checks run the model in float64)."""
+    return jnp.result_type(jnp.float32, *xs)
+
+
 def _host_rng(key: jax.Array) -> np.random.Generator:
     return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
 

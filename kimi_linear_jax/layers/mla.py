@@ -16,7 +16,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import MLACache
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import Linear
+from kimi_linear_jax.layers.linear import Linear, acc_dtype
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.ops import mla as mla_ops
 
@@ -80,11 +80,12 @@ class MLA(nnx.Module):
     def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens, backend):
         """Attention over the paged cache in latent space, mapped back to [B, T, N, Vd] f32."""
         w_uk, w_uv = self._kv_b()
-        q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=jnp.float32)
+        acc = acc_dtype(q_nope)
+        q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
         o_lat, lse = backend(
-            q_lat, q_pe.astype(jnp.float32), cache, block_table, kv_lens, sm_scale=self.sm_scale
+            q_lat, q_pe.astype(acc), cache, block_table, kv_lens, sm_scale=self.sm_scale
         )
-        o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(jnp.float32))
+        o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
         return o, lse
 
     def _out(self, x: jax.Array, o: jax.Array) -> jax.Array:

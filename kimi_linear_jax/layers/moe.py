@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import init_normal
+from kimi_linear_jax.layers.linear import acc_dtype, init_normal
 from kimi_linear_jax.layers.mlp import MLP
 
 
@@ -29,9 +29,10 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, D] -> (weights [N, k] f32, expert ids [N, k] int32)."""
         cfg = self.config
-        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T
+        acc = acc_dtype(x)
+        logits = x.astype(acc) @ self.weight[...].astype(acc).T
         scores = jax.nn.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
+        choice = scores + self.e_score_correction_bias[...].astype(acc)
         if cfg.use_grouped_topk and cfg.num_expert_group > 1:
             choice = _mask_groups(choice, cfg.num_expert_group, cfg.topk_group)
         _, idx = jax.lax.top_k(choice, cfg.num_experts_per_token)
@@ -75,19 +76,19 @@ class Experts(nnx.Module):
         up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), sizes)
         h = (jax.nn.silu(gate) * up).astype(x.dtype)
         y = jax.lax.ragged_dot(h, jnp.swapaxes(w2, 1, 2), sizes)  # [N*k, D]
-        y = y.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-        return jnp.zeros((N, x.shape[-1]), jnp.float32).at[order // k].add(y)
+        y = y.astype(w.dtype) * w.reshape(-1)[order][:, None]
+        return jnp.zeros((N, x.shape[-1]), w.dtype).at[order // k].add(y)
 
     def dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
         """Reference: every expert on every token, weighted by a dense [N, E] matrix."""
         E = self.w1.shape[0]
         dense_w = (
-            jnp.zeros((x.shape[0], E), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
+            jnp.zeros((x.shape[0], E), w.dtype).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
         )
         gate = jnp.einsum("nd,eid->nei", x, self.w1[...])
         up = jnp.einsum("nd,eid->nei", x, self.w3[...])
         h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        y = jnp.einsum("nei,edi->ned", h, self.w2[...]).astype(jnp.float32)
+        y = jnp.einsum("nei,edi->ned", h, self.w2[...]).astype(w.dtype)
         return jnp.einsum("ned,ne->nd", y, dense_w)
 
 

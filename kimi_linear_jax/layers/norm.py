@@ -33,6 +33,7 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        y = rms_normalize(x, self.eps) * self.weight[...].astype(jnp.float32)
+        y = rms_normalize(x, self.eps)
+        y = y * self.weight[...].astype(y.dtype)
         y = y * jax.nn.sigmoid(gate.astype(y.dtype))
         return y.astype(x.dtype)

@@ -241,21 +241,25 @@ def kda_window(
 def kda_commit(initial_state: Array, states: Array, commit_lens: Array) -> Array:
     """Select the state after the first ``commit_lens[b]`` tokens of a window.
 
+    Works for any per-step array with a step axis 1 (the state S, or the conv windows).
+
     Args:
-      initial_state: [B,H,K,V], the state before the window.
-      states: [B,T,H,K,V] from :func:`kda_window`.
+      initial_state: [B, ...], the value before the window (e.g. [B,H,K,V]).
+      states: [B,T, ...] after each step (from :func:`kda_window`).
       commit_lens: int [B] in [0, T]; 0 keeps ``initial_state``.
 
     Returns:
-      [B,H,K,V] in the dtype of ``states``.
+      [B, ...] in the dtype of ``states``.
     """
     initial_state = initial_state.astype(states.dtype)
     if states.shape[1] == 0:
         return initial_state
     commit_lens = jnp.asarray(commit_lens, jnp.int32)
     idx = jnp.clip(commit_lens - 1, 0, states.shape[1] - 1)
-    picked = jnp.take_along_axis(states, idx[:, None, None, None, None], axis=1)[:, 0]
-    return jnp.where((commit_lens == 0)[:, None, None, None], initial_state, picked)
+    idx = idx.reshape(-1, 1, *([1] * (states.ndim - 2)))
+    picked = jnp.take_along_axis(states, idx, axis=1)[:, 0]
+    keep = (commit_lens == 0).reshape(-1, *([1] * (initial_state.ndim - 1)))
+    return jnp.where(keep, initial_state, picked)
 
 
 def kda_replay(

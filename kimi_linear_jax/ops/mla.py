@@ -33,10 +33,11 @@ def mla_naive_attention(
     q [B, T, N, Dk], k [B, S, N, Dk], v [B, S, N, Dv], mask [B, T, S] (True = visible)
     -> o [B, T, N, Dv] (f32), lse [B, T, N] (f32).
     """
-    scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) * sm_scale
+    acc = jnp.result_type(jnp.float32, q, k)
+    scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=acc) * sm_scale
     p, lse = _softmax_with_lse(scores, mask[:, None, :, :])
     # The reference casts the probabilities to the activation dtype before the PV product.
-    o = jnp.einsum("bnts,bsnd->btnd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bnts,bsnd->btnd", p.astype(v.dtype), v, preferred_element_type=acc)
     return o, jnp.transpose(lse, (0, 2, 1))
 
 
@@ -65,13 +66,14 @@ def mla_paged_attention_reference(
     L = q_lat.shape[-1]
     kv = gather_pages(cache, block_table)  # [B, S, L + R]
     c, k_pe = kv[..., :L], kv[..., L:]
-    scores = jnp.einsum("bthl,bsl->bths", q_lat, c, preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=jnp.float32)
+    acc = jnp.result_type(jnp.float32, q_lat)
+    scores = jnp.einsum("bthl,bsl->bths", q_lat, c, preferred_element_type=acc)
+    scores += jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=acc)
     scores *= sm_scale
     S = kv.shape[1]
     mask = jnp.arange(S)[None, None, :] < kv_lens[:, :, None]  # [B, T, S]
     p, lse = _softmax_with_lse(scores, mask[:, :, None, :])
-    o = jnp.einsum("bths,bsl->bthl", p, c.astype(jnp.float32))
+    o = jnp.einsum("bths,bsl->bthl", p, c.astype(acc))
     return o, lse
 
 

@@ -17,6 +17,7 @@ from kimi_linear_jax.ops.kda import (
     kda_replay,
     kda_window,
 )
+from tests.helpers import assert_close
 
 # Per-dtype tolerances (max-abs, relative RMS), 10-1000x above what is reached on CPU:
 # float64 reaches ~1e-15 on both; float32 reaches ~1e-6 max-abs and ~3e-7 relative RMS (chunked
@@ -49,24 +50,6 @@ def x64_if(dtype):
     x64 flag is part of the jit cache key).
     """
     return jax.enable_x64(dtype == jnp.float64)
-
-
-def assert_close(actual, expected, *, atol: float, rtol_rms: float, name: str) -> None:
-    """Assert max-abs error <= atol and ||a - e|| / ||e|| <= rtol_rms."""
-    a = np.asarray(actual, dtype=np.float64)
-    e = np.asarray(expected, dtype=np.float64)
-    assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
-    assert np.all(np.isfinite(a)), f"{name}: non-finite values"
-    if a.size == 0:
-        return
-    max_abs = float(np.max(np.abs(a - e)))
-    denom = float(np.linalg.norm(e))
-    rel_rms = float(np.linalg.norm(a - e)) / denom if denom > 0 else float(np.linalg.norm(a))
-    ok = max_abs <= atol and rel_rms <= rtol_rms
-    assert ok, (
-        f"{name}: max_abs={max_abs:.3e} (atol {atol:.1e}), "
-        f"rel_rms={rel_rms:.3e} (rtol_rms {rtol_rms:.1e})"
-    )
 
 
 def make_inputs(

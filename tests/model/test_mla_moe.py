@@ -1,0 +1,126 @@
+"""MLA forms against each other (absorbed == naive, paged reference over poisoned pages) and
+the grouped MoE dispatch against the dense reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_linear_jax.config import preset
+from kimi_linear_jax.layers.mla import MLA
+from kimi_linear_jax.layers.moe import MoE
+from kimi_linear_jax.ops import mla as mla_ops
+from tests.helpers import assert_close
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_absorbed_equals_naive(q_lora_rank):
+    """Absorbed attention over a shuffled paged cache == the naive expanded form."""
+    cfg = preset("tiny", q_lora_rank=q_lora_rank)
+    mla = MLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    B, T, page = 2, 23, 8
+    x = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size))
+    q_nope, q_pe = mla._query(x)
+    rows = mla.latent(x)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    o_naive, lse_naive = mla._naive(q_nope, q_pe, rows, mask)
+    # Scatter the rows into a shuffled set of pages, poison everything else.
+    n = -(-T // page)
+    perm = np.random.default_rng(0).permutation(B * n + 3)
+    table = jnp.asarray(perm[: B * n].reshape(B, n), jnp.int32)
+    cache = jnp.full((B * n + 3, page, cfg.latent_dim), 1e4, jnp.float32)
+    cache = mla_ops.write_latents(
+        cache, rows, table, jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32)
+    )
+    kv_lens = jnp.broadcast_to(jnp.arange(1, T + 1), (B, T))
+    backend = mla_ops.mla_paged_attention_reference
+    o_abs, lse_abs = mla._absorbed(q_nope, q_pe, cache, table, kv_lens, backend)
+    assert_close(o_abs, o_naive, atol=1e-5, rtol_rms=1e-5, name="o")
+    assert_close(lse_abs, lse_naive, atol=1e-5, rtol_rms=1e-6, name="lse")
+
+
+def test_paged_reference_edge_rows():
+    """Rows seeing zero keys give lse = -inf and o = 0; unowned poisoned pages change nothing."""
+    rng = np.random.default_rng(1)
+    B, T, H, L, R, page = 3, 2, 3, 16, 4, 4
+    q_lat = jnp.asarray(rng.standard_normal((B, T, H, L)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((B, T, H, R)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((10, page, L + R)), jnp.float32)
+    table = jnp.asarray([[3, 1, 7], [2, 0, 9], [5, 4, 6]], jnp.int32)
+    kv_lens = jnp.asarray([[0, 1], [5, 6], [11, 12]], jnp.int32)
+    run = lambda c: mla_ops.mla_paged_attention_reference(
+        q_lat, q_pe, c, table, kv_lens, sm_scale=0.3
+    )
+    o, lse = run(cache)
+    assert np.all(np.asarray(lse[0, 0]) == -np.inf) and np.all(np.asarray(o[0, 0]) == 0)
+    # Poison page 8 (owned by no one) and the unused tail of row 1's last page (9: len 6 of 12).
+    poisoned = cache.at[8].set(1e30).at[9, 2:].set(-1e30)
+    o2, lse2 = run(poisoned)
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    # Independent check of one row against a direct numpy softmax.
+    rows = np.concatenate([np.asarray(cache)[p] for p in [2, 0, 9]])[:6]
+    s = (np.asarray(q_lat[1, 1]) @ rows[:, :L].T + np.asarray(q_pe[1, 1]) @ rows[:, L:].T) * 0.3
+    p = np.exp(s - s.max(-1, keepdims=True))
+    expected = (p / p.sum(-1, keepdims=True)) @ rows[:, :L]
+    assert_close(o[1, 1], expected, atol=1e-5, rtol_rms=1e-6, name="numpy row")
+
+
+def test_merge_partials_equals_joint_softmax():
+    """Attention over keys split in two parts, merged by lse == attention over all keys."""
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((1, 3, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 10, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 10, 2, 5)), jnp.float32)
+    full = jnp.ones((1, 3, 10), bool)
+    o, lse = mla_ops.mla_naive_attention(q, k, v, full, 0.5)
+    a = mla_ops.mla_naive_attention(q, k[:, :4], v[:, :4], full[..., :4], 0.5)
+    b = mla_ops.mla_naive_attention(q, k[:, 4:], v[:, 4:], full[..., 4:], 0.5)
+    om, lsem = mla_ops.merge_partials(*a, *b)
+    assert_close(om, o, atol=1e-6, rtol_rms=1e-6, name="o")
+    assert_close(lsem, lse, atol=1e-6, rtol_rms=1e-6, name="lse")
+    empty = jnp.zeros((1, 3, 4), bool)  # a part with no visible key contributes nothing
+    e = mla_ops.mla_naive_attention(q, k[:, :4], v[:, :4], empty, 0.5)
+    om, lsem = mla_ops.merge_partials(*e, o, lse)
+    assert_close(om, o, atol=0, rtol_rms=0, name="o with empty part")
+
+
+@pytest.mark.parametrize("groups,topk_group", [(1, 1), (4, 2)])
+def test_grouped_dispatch_equals_dense(groups, topk_group):
+    cfg = preset("tiny", num_expert_group=groups, topk_group=topk_group, num_experts_per_token=3)
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(2))
+    moe.gate.e_score_correction_bias.set_value(
+        jnp.asarray(np.random.default_rng(3).standard_normal(cfg.num_experts) * 0.05, jnp.float32)
+    )
+    x = jax.random.normal(jax.random.key(4), (3, 17, cfg.hidden_size))
+    y = moe(x)
+    moe.dispatch = "dense"
+    assert_close(y, moe(x), atol=1e-5, rtol_rms=1e-6, name="moe")
+
+
+def test_router_grouping_and_bias_for_selection_only():
+    """Against a direct numpy restatement of the routing rule."""
+    cfg = preset("tiny", num_expert_group=4, topk_group=2, num_experts_per_token=2)
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(6)
+    bias = rng.standard_normal(cfg.num_experts).astype(np.float32) * 0.3
+    moe.gate.e_score_correction_bias.set_value(jnp.asarray(bias))
+    x = rng.standard_normal((20, cfg.hidden_size)).astype(np.float32)
+    w, idx = moe.gate(jnp.asarray(x))
+    s = 1 / (1 + np.exp(-(x @ np.asarray(moe.gate.weight[...]).T)))
+    choice = s + bias
+    for n in range(20):
+        groups = choice[n].reshape(4, -1)
+        top2 = np.sort(groups, axis=1)[:, -2:].sum(1)
+        keep = np.argsort(-top2)[:2]
+        masked = np.full_like(choice[n], -np.inf)
+        for gidx in keep:
+            masked[gidx * 2 : gidx * 2 + 2] = choice[n, gidx * 2 : gidx * 2 + 2]
+        ids = np.argsort(-masked)[:2]
+        assert set(np.asarray(idx[n])) == set(ids)
+        weights = s[n, ids] / s[n, ids].sum() * cfg.routed_scaling_factor
+        order = [list(np.asarray(idx[n])).index(i) for i in ids]
+        assert_close(np.asarray(w[n])[order], weights, atol=1e-6, rtol_rms=1e-6, name=f"w{n}")
