@@ -18,25 +18,31 @@ def acc_dtype(*xs) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *xs)
 
 
-def _host_rng(key: jax.Array) -> np.random.Generator:
-    return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+def _host_rng(key: jax.Array) -> np.random.Generator | None:
+    """A numpy generator seeded from a concrete key; None under a trace (eval_shape, jit)."""
+    try:
+        return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
     """N(0, std^2) weights. Eagerly the draw happens in numpy: an eager jax.random call
     compiles once per shape, which made building even the tiny model take ~20 s on a CPU."""
     key = rngs.params()
-    if isinstance(key, jax.core.Tracer):
+    host = _host_rng(key)
+    if host is None:
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return jnp.asarray(std * _host_rng(key).standard_normal(shape, np.float32), dtype)
+    return jnp.asarray(std * host.standard_normal(shape, np.float32), dtype)
 
 
 def init_uniform(rngs: nnx.Rngs, shape: tuple[int, ...], low: float, high: float) -> jax.Array:
     """U(low, high) float32 values, drawn like `init_normal`."""
     key = rngs.params()
-    if isinstance(key, jax.core.Tracer):
+    host = _host_rng(key)
+    if host is None:
         return jax.random.uniform(key, shape, jnp.float32, low, high)
-    return jnp.asarray(_host_rng(key).uniform(low, high, shape), jnp.float32)
+    return jnp.asarray(host.uniform(low, high, shape), jnp.float32)
 
 
 class Linear(nnx.Module):
