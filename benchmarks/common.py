@@ -70,6 +70,8 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
+        # Other load on the machine skews timings (multi-threaded torch most of all).
+        "loadavg_1_5_15m": list(os.getloadavg()),
     }
 
 

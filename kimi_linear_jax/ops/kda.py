@@ -21,7 +21,6 @@ All math runs in the promoted dtype of the inputs, at least float32.
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 Array = jax.Array
 
@@ -113,22 +112,60 @@ def kda_recurrent(
     return o, final
 
 
-def _intra_chunk(q: Array, k: Array, gc: Array, beta: Array, scale: float):
-    """Within-chunk interaction matrices.
+# Sub-chunk width inside a chunk: off-diagonal sub-blocks become matmuls whose decay factors
+# are both <= 1; only the diagonal sub-blocks need the [S, S, K] masked decay tensor.
+_SUB = 16
 
-    q, k, gc (cumulative log-decay) [B,H,C,K], beta [B,H,C] -> Akk, Aqk [B,H,C,C] where Akk is
-    strictly lower triangular and already scaled by beta on its rows.
+
+def _pair_decay_matrix(a: Array, b: Array, gc: Array) -> Array:
+    """M[i, j] = sum_c a_i,c b_j,c exp(G_i,c - G_j,c) for j <= i (0 above the diagonal).
+
+    a, b, gc [B,H,C,K] -> [B,H,C,C]. Off-diagonal sub-blocks (I > J) factor through the
+    cumulative decay just before sub-chunk I (r = start(I) - 1, with j <= r < i):
+    exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1, so nothing
+    overflows however strong the decay. Diagonal sub-blocks use the masked exponent directly.
     """
-    c = gc.shape[-2]
-    causal = jnp.tril(jnp.ones((c, c), dtype=bool))
-    # The exponent must be masked before exp: above the diagonal it is positive and, with strong
-    # decay, large enough to overflow (and an inf times a zero mask is NaN, also in gradients).
-    diff = gc[..., :, None, :] - gc[..., None, :, :]
+    *lead, c, dk = gc.shape
+    s = _SUB if c % _SUB == 0 else c  # odd chunk sizes: one diagonal block
+    n = c // s
+    sub = lambda x: x.reshape(*lead, n, s, dk)
+    a_s, b_s, g_s = sub(a), sub(b), sub(gc)
+    # G_r per sub-chunk I: the cumulative decay at the last position of sub-chunk I - 1 (0 for I=0).
+    g_ref = jnp.concatenate([jnp.zeros_like(g_s[..., :1, 0, :]), g_s[..., :-1, -1, :]], axis=-2)
+    left = a_s * jnp.exp(g_s - g_ref[..., :, None, :])  # [.., I, i, K]
+    lower = jnp.tril(jnp.ones((n, n), bool), -1)  # J < I
+    expo = g_ref[..., :, None, None, :] - g_s[..., None, :, :, :]  # [.., I, J, j, K]
+    expo = jnp.where(lower[:, :, None, None], expo, -jnp.inf)
+    right = b_s[..., None, :, :, :] * jnp.exp(expo)
+    off = jnp.einsum("...Iik,...IJjk->...IiJj", left, right, precision=_PREC)
+    # Diagonal sub-blocks: the masked exponent must be masked before exp (above the diagonal it
+    # is positive and can overflow; inf * 0 would be NaN, in gradients too).
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    diff = g_s[..., :, None, :] - g_s[..., None, :, :]  # [.., I, i, j, K]
     decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
-    akk = jnp.einsum("bhijk,bhjk->bhij", k[..., :, None, :] * decay, k, precision=_PREC)
-    aqk = jnp.einsum("bhijk,bhjk->bhij", q[..., :, None, :] * decay, k, precision=_PREC)
-    akk = beta[..., :, None] * jnp.tril(akk, -1)
-    return akk, aqk * scale
+    diag = jnp.einsum("...Iik,...Iijk,...Ijk->...Iij", a_s, decay, b_s, precision=_PREC)
+    eye_blocks = jnp.eye(n, dtype=diag.dtype)[:, None, :, None]  # [I, 1, J, 1]
+    full = off + eye_blocks * diag[..., :, :, None, :]
+    return full.reshape(*lead, c, c)
+
+
+def _unit_lower_inverse(a: Array) -> Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by forward substitution.
+
+    Row i of X = (I + A)^-1 is e_i - A[i, :i] X[:i]; a fori_loop over rows keeps it exact (no
+    power series) and avoids XLA-CPU's slow expanded triangular solve.
+    """
+    c = a.shape[-1]
+    eye = jnp.eye(c, dtype=a.dtype)
+
+    def row(i, x):
+        a_i = lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=True)  # [.., 1, C]
+        x_i = lax.dynamic_index_in_dim(eye, i, axis=0, keepdims=True) - jnp.matmul(
+            a_i, x, precision=_PREC
+        )
+        return lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
+
+    return lax.fori_loop(0, c, row, jnp.zeros_like(a))
 
 
 def _chunk_step(state: Array, xs, *, scale: float):
@@ -138,18 +175,17 @@ def _chunk_step(state: Array, xs, *, scale: float):
     Returns the new state and o [B,H,C,V].
     """
     q, k, v, g, beta = xs
-    dk = k.shape[-1]
     gc = jnp.cumsum(g, axis=-2)
-    akk, aqk = _intra_chunk(q, k, gc, beta, scale)
-    # One solve for both right-hand sides: W = M (exp(G) k) and U = M v, M = (I + Akk)^-1 beta.
-    rhs = beta[..., None] * jnp.concatenate([jnp.exp(gc) * k, v], axis=-1)
-    eye = jnp.eye(akk.shape[-1], dtype=akk.dtype)
-    wu = solve_triangular(akk + eye, rhs, lower=True, unit_diagonal=True)
-    w, u = wu[..., :dk], wu[..., dk:]
+    qs = q * scale
+    akk = beta[..., :, None] * jnp.tril(_pair_decay_matrix(k, k, gc), -1)
+    aqk = _pair_decay_matrix(qs, k, gc)
+    m = _unit_lower_inverse(akk)  # (I + Akk)^-1, then Diag(beta) folded into the RHS
+    w = jnp.matmul(m, beta[..., None] * jnp.exp(gc) * k, precision=_PREC)
+    u = jnp.matmul(m, beta[..., None] * v, precision=_PREC)
 
-    vn = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_PREC)
-    o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gc) * scale, state, precision=_PREC)
-    o = o + jnp.einsum("bhij,bhjv->bhiv", aqk, vn, precision=_PREC)
+    vn = u - jnp.matmul(w, state, precision=_PREC)
+    o = jnp.matmul(qs * jnp.exp(gc), state, precision=_PREC)
+    o = o + jnp.matmul(aqk, vn, precision=_PREC)
 
     g_last = gc[..., -1, :]
     k_tail = jnp.exp(g_last[..., None, :] - gc) * k

@@ -1,0 +1,284 @@
+"""Decode context parallelism (DCP): a sequence's MLA latent cache spread over a 'dcp' mesh axis.
+
+Placement (interleave I = 1): token p of a sequence lives on rank ``p % c`` at rank-local
+position ``p // c``. The allocator works in virtual pages of ``page_size * c`` tokens and one
+block table, the same on every rank. The global cache array is
+``[num_pages, page_size * c, L + R]`` sharded ``P(None, 'dcp', None)``, so each device holds a
+physical ``[num_pages, page_size, L + R]``. Inside a virtual page, in-page position ``i`` lives
+on rank ``r = i % c`` at local slot ``j = i // c``, stored at global array index
+``r * page_size + j`` (``to_dcp_layout``): the contiguous block of device r then holds exactly
+the positions with ``p % c == r``, and rank r's local sequence is a plain paged sequence
+(page ids from the shared block table, page size ``page_size``, local position ``p // c``).
+
+Attention: every rank holds all H heads' queries (replicated), attends to its local slice with
+rank-local lengths, and the partials ``(o_r, lse_r)`` are combined by log-sum-exp. Verify under
+DCP: row t of a T-token window sees ``ctx - T + 1 + t`` global keys, so its rank-local length is
+``local_len(ctx - T + 1 + t, r)`` -- never ``local_len(ctx, r) - (T - 1 - t)``.
+
+Nothing here sizes scratch from local heads or a fixed T: every buffer (the gathered partials
+``[c, B, T, H, L]`` included) takes H and T from the query it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kimi_linear_jax.ops.mla import mla_paged_attention_reference
+
+try:  # jax >= 0.7 (0.10 and 0.11 included)
+    from jax import shard_map as _shard_map
+
+    _NO_CHECK = {"check_vma": False}
+except ImportError:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    _NO_CHECK = {"check_rep": False}
+
+DCP_AXIS = "dcp"
+CACHE_SPEC = P(None, DCP_AXIS, None)
+
+# backend(q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale) -> (o, lse), the signature of
+# mla_paged_attention_reference: natural-log lse, -inf (and o = 0) for rows that see no key.
+AttentionBackend = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def local_len(n: jax.Array, r: jax.Array | int, c: int) -> jax.Array:
+    """Keys of a length-n prefix that live on rank r: ``n // c + (r < n % c)`` (0 for n <= 0)."""
+    n = jnp.maximum(jnp.asarray(n), 0)
+    return (n // c + (jnp.asarray(r) < n % c)).astype(jnp.int32)
+
+
+def local_len_np(n: np.ndarray, r: np.ndarray | int, c: int) -> np.ndarray:
+    """Host twin of :func:`local_len` (for scheduler metadata built in numpy)."""
+    n = np.maximum(np.asarray(n), 0)
+    return (n // c + (np.asarray(r) < n % c)).astype(np.int32)
+
+
+def dcp_coords(pos, page_size: int, c: int):
+    """Global sequence position(s) -> (virtual page index, owner rank, local slot in the page).
+
+    Works on ints, numpy and jax arrays. The rank-local position is
+    ``vpage * page_size + slot == pos // c``.
+    """
+    vpage, i = pos // (page_size * c), pos % (page_size * c)
+    return vpage, i % c, i // c
+
+
+def to_dcp_layout(positions, page_size: int, c: int):
+    """In-page positions i of a virtual page -> index on the global in-page axis of the cache."""
+    return (positions % c) * page_size + positions // c
+
+
+def from_dcp_layout(index, page_size: int, c: int):
+    """Inverse of :func:`to_dcp_layout`: global in-page index -> the in-page position it holds."""
+    return (index % page_size) * c + index // page_size
+
+
+def cache_to_dcp_layout(cache: jax.Array, c: int) -> jax.Array:
+    """A plain paged cache [num_pages, page_size * c, D] (in-page axis in position order) -> the
+    DCP layout (unsharded; ``jax.device_put`` it with :func:`cache_sharding`)."""
+    page_size = cache.shape[1] // c
+    return cache[:, from_dcp_layout(np.arange(page_size * c), page_size, c)]
+
+
+def cache_from_dcp_layout(cache: jax.Array, c: int) -> jax.Array:
+    """Inverse of :func:`cache_to_dcp_layout`: DCP layout -> plain position order."""
+    page_size = cache.shape[1] // c
+    return cache[:, to_dcp_layout(np.arange(page_size * c), page_size, c)]
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of the global DCP cache: the in-page token axis split over 'dcp'."""
+    return NamedSharding(mesh, CACHE_SPEC)
+
+
+def dcp_size(mesh: Mesh) -> int:
+    return int(mesh.shape[DCP_AXIS])
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpMetadata:
+    """kv_lens [B, T] global keys per query row; local_kv_lens [c, B, T] per-rank keys."""
+
+    kv_lens: np.ndarray
+    local_kv_lens: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.kv_lens.shape[1])
+
+
+def num_query_tokens(mode: ForwardMode | str, num_draft: int) -> int:
+    """T: 1 for DECODE (draft tokens are never added), num_draft + 1 for TARGET_VERIFY."""
+    mode = ForwardMode(mode)
+    return 1 if mode is ForwardMode.DECODE else num_draft + 1
+
+
+def dcp_metadata(mode: ForwardMode | str, ctx, num_draft: int, c: int) -> DcpMetadata:
+    """Host-side KV lengths for one step.
+
+    ``ctx[b]``: keys visible to the last query row of sequence b, i.e. the sequence length with
+    this step's T tokens already written (padding rows: 0). Row t sees ``ctx - T + 1 + t`` global
+    keys (clipped at 0) and ``local_len(ctx - T + 1 + t, r)`` of them live on rank r.
+    """
+    T = num_query_tokens(mode, num_draft)
+    ctx = np.asarray(ctx, np.int64)
+    kv = np.maximum(ctx[:, None] - (T - 1) + np.arange(T)[None, :], 0)
+    local = local_len_np(kv[None], np.arange(c)[:, None, None], c)
+    return DcpMetadata(kv_lens=kv.astype(np.int32), local_kv_lens=local)
+
+
+# --------------------------------------------------------------------------- combine
+
+
+def merge_stacked_partials(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merge partials over disjoint key sets stacked on axis 0: o [c, ..., L], lse [c, ...].
+
+    M = max lse (0 where all are -inf); lse = M + log(sum exp(lse_r - M));
+    o = sum exp(lse_r - lse) o_r; rows empty on every rank give lse = -inf, o = 0.
+    """
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # exp(-inf) = 0: empty slices drop out
+    total = jnp.sum(w, axis=0)
+    safe = jnp.where(total > 0, total, 1.0)
+    lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    o_out = jnp.sum((w / safe)[..., None] * o, axis=0)
+    return o_out, lse_out
+
+
+def _combine_over_dcp(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map: one all-gather of the partials over 'dcp', then the same local merge on
+    every rank (so the result is replicated bit-identically).
+
+    Chosen over all-to-all over heads + local merge (+ all-gather of the merged heads to get a
+    replicated output): it is a single collective (decode is latency-bound: B*T*H*L f32 is a few
+    MiB at most), works for any H (all-to-all needs H % c == 0 or padding: odd head counts are
+    a test case here), and every rank ends with all heads, which the replicated W_UV / o_proj
+    that follow want. It moves (c - 1) * |o| per rank instead of 2 (c - 1) / c * |o|, which
+    matters only at large c and large B*T (see benchmarks/dcp_combine.py).
+    """
+    o_all = jax.lax.all_gather(o, DCP_AXIS)  # [c, B, T, H, L]
+    lse_all = jax.lax.all_gather(lse, DCP_AXIS)  # [c, B, T, H]
+    return merge_stacked_partials(o_all, lse_all)
+
+
+# --------------------------------------------------------------------------- shard_map entry points
+
+
+def _has_explicit_axes(mesh: Mesh) -> bool:
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(str(t).endswith("Explicit") for t in types)
+
+
+def _place(mesh: Mesh, args, specs):
+    """With explicit mesh axes shard_map wants inputs already typed with the in_specs."""
+    if not _has_explicit_axes(mesh):
+        return args
+    return tuple(
+        jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)
+    )
+
+
+def dcp_write_latents(
+    cache: jax.Array,
+    rows: jax.Array,
+    block_table: jax.Array,
+    start: jax.Array,
+    lengths: jax.Array,
+    mesh: Mesh,
+) -> jax.Array:
+    """DCP twin of ``write_latents``: rows [B, T, L + R] go to positions start[b] + t,
+    t < lengths[b]; each token is written only by its owning rank, into its local page slice.
+
+    cache: global [num_pages, page_size * c, L + R] in DCP layout, sharded ``P(None,'dcp',None)``;
+    block_table [B, max_pages] virtual page ids (replicated). Rows past a length, or past the
+    block table, are dropped.
+    """
+    c = dcp_size(mesh)
+
+    def body(cache_l, rows, block_table, start, lengths):
+        num_pages, page_size, _ = cache_l.shape
+        B, T, _ = rows.shape
+        r = jax.lax.axis_index(DCP_AXIS)
+        pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+        vpage, owner, slot = dcp_coords(pos, page_size, c)
+        n_vp = block_table.shape[1]
+        valid = (jnp.arange(T)[None, :] < lengths[:, None]) & (owner == r) & (vpage < n_vp)
+        page = jnp.take_along_axis(block_table, jnp.clip(vpage, 0, n_vp - 1), axis=1)
+        page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
+        return cache_l.at[page, slot].set(rows.astype(cache_l.dtype), mode="drop")
+
+    specs = (CACHE_SPEC, P(), P(), P(), P())
+    args = _place(mesh, (cache, rows, block_table, start, lengths), specs)
+    fn = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=CACHE_SPEC, **_NO_CHECK)
+    return fn(*args)
+
+
+def dcp_attention(
+    q_lat: jax.Array,
+    q_pe: jax.Array,
+    cache: jax.Array,
+    block_table: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float,
+    mesh: Mesh,
+    backend: AttentionBackend = mla_paged_attention_reference,
+    local_kv_lens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed paged MLA with the latent cache sharded over 'dcp'.
+
+    q_lat [B, T, H, L], q_pe [B, T, H, R] (all heads, replicated), cache global
+    [num_pages, page_size * c, L + R] in DCP layout sharded ``P(None,'dcp',None)``,
+    block_table [B, max_pages] virtual pages, kv_lens [B, T] global keys per query row
+    -> o [B, T, H, L] f32, lse [B, T, H] f32 (replicated), equal to the single-device
+    attention over the plain cache with page size page_size * c.
+
+    Rank r attends with ``local_len(kv_lens, r)`` keys, unless ``local_kv_lens`` [c, B, T]
+    (host metadata, e.g. :func:`dcp_metadata`) is given: then rank r uses row r of it as is.
+    ``backend`` has the signature of ``mla_paged_attention_reference``.
+    """
+    c = dcp_size(mesh)
+
+    def attend(q_lat, q_pe, cache_l, block_table, lens):
+        o, lse = backend(q_lat, q_pe, cache_l, block_table, lens, sm_scale=sm_scale)
+        return _combine_over_dcp(o.astype(jnp.float32), lse.astype(jnp.float32))
+
+    if local_kv_lens is None:
+
+        def body(q_lat, q_pe, cache_l, block_table, kv_lens):
+            lens = local_len(kv_lens, jax.lax.axis_index(DCP_AXIS), c)
+            return attend(q_lat, q_pe, cache_l, block_table, lens)
+
+        lens_arg, lens_spec = kv_lens, P()
+    else:
+
+        def body(q_lat, q_pe, cache_l, block_table, local_lens):
+            return attend(q_lat, q_pe, cache_l, block_table, local_lens[0])
+
+        lens_arg, lens_spec = local_kv_lens, P(DCP_AXIS)
+
+    specs = (P(), P(), CACHE_SPEC, P(), lens_spec)
+    args = _place(mesh, (q_lat, q_pe, cache, block_table, lens_arg), specs)
+    fn = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), **_NO_CHECK)
+    return fn(*args)
