@@ -151,6 +151,19 @@ def commit_kda(
     return ModelCache(tuple(kda), cache.mla)
 
 
+def set_kda_impl(model: KimiLinearForCausalLM, impl: str) -> KimiLinearForCausalLM:
+    """Choose the KDA prefill recurrence of every KDA layer: 'auto' (chunked on accelerators,
+    recurrent on CPU), 'chunked' or 'recurrent'. Split the model after calling this."""
+    from kimi_linear_jax.ops.kda import KDA_IMPLS
+
+    if impl not in KDA_IMPLS:
+        raise ValueError(f"kda impl must be one of {KDA_IMPLS}, got {impl!r}")
+    for block in model.model.layers:
+        if block.kind == "kda":
+            block.self_attn.prefill_impl = impl
+    return model
+
+
 def init_model(config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32):
     """A randomly initialised model (seeded, reproducible)."""
     return KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))

@@ -35,6 +35,7 @@ class KDA(nnx.Module):
         )
         W = config.short_conv_kernel_size
         self.num_heads, self.head_dim = H, d
+        self.prefill_impl = "auto"  # see ops.kda.kda_prefill; `set_kda_impl` changes it
         self.q_proj = Linear(D, P, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(D, P, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(D, P, dtype=dtype, rngs=rngs)
@@ -101,16 +102,16 @@ class KDA(nnx.Module):
 
     # ---- entries ---------------------------------------------------------------------------
     def __call__(self, x: jax.Array) -> jax.Array:
-        """No-cache forward [B, T, D] -> [B, T, D] (chunked recurrence, differentiable)."""
+        """No-cache forward [B, T, D] -> [B, T, D] (prefill recurrence, differentiable)."""
         q, k, v, g, beta = self._qkvgb(x, self._pre(x), self._windows(x, None))
-        o, _ = kda_ops.kda_chunked(q, k, v, g, beta)
+        o, _ = kda_ops.kda_prefill(q, k, v, g, beta, impl=self.prefill_impl)
         return self._out(x, o)
 
     def prefill(self, x: jax.Array, state: KDAState, lengths: jax.Array):
         """Chunked pass from the rows' states; returns (y, state after token lengths-1)."""
         windows, pre = self._windows(x, state), self._pre(x)
         q, k, v, g, beta = self._qkvgb(x, pre, windows, lengths)
-        o, S = kda_ops.kda_chunked(q, k, v, g, beta, state.S)
+        o, S = kda_ops.kda_prefill(q, k, v, g, beta, state.S, impl=self.prefill_impl)
         new = KDAState(*(next_window(w, p, lengths) for w, p in zip(windows, pre)), S)
         return self._out(x, o), new
 

@@ -249,6 +249,33 @@ def kda_chunked(
     return o[:, :t], final
 
 
+KDA_IMPLS = ("auto", "chunked", "recurrent")
+
+
+def kda_prefill(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    initial_state: Array | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[Array, Array]:
+    """The prefill recurrence, by implementation: 'chunked', 'recurrent', or 'auto'.
+
+    'auto' takes the chunked form on accelerators and the recurrent scan on a CPU, where the
+    chunked form does about twice the flops at the same flop rate and measures slower
+    (benchmarks/RESULTS.md). Both are tested equal to each other.
+    """
+    if impl not in KDA_IMPLS:
+        raise ValueError(f"kda impl must be one of {KDA_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "recurrent" if jax.default_backend() == "cpu" else "chunked"
+    fn = kda_chunked if impl == "chunked" else kda_recurrent
+    return fn(q, k, v, g, beta, initial_state)
+
+
 def kda_window(
     q: Array,
     k: Array,

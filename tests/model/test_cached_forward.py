@@ -10,7 +10,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import Batch, contiguous_batch, init_cache
 from kimi_linear_jax.config import preset
-from kimi_linear_jax.model import commit_kda, decode_step, forward, prefill_step
+from kimi_linear_jax.model import commit_kda, decode_step, forward, prefill_step, set_kda_impl
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 
@@ -24,7 +24,9 @@ TOL = dict(atol=2e-4, rtol_rms=2e-5)
 @pytest.fixture(scope="module")
 def model():
     cfg = preset("tiny")
-    return cfg, nnx.split(random_model(cfg, seed=3))
+    # The chunked KDA prefill on purpose: on CPU 'auto' would pick the recurrent scan, and the
+    # chunked form must be exercised against decode and the window path too.
+    return cfg, nnx.split(set_kda_impl(random_model(cfg, seed=3), "chunked"))
 
 
 def fresh_cache(cfg, B):

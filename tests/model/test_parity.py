@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax import load_pretrained
-from kimi_linear_jax.model import forward
+from kimi_linear_jax.model import forward, set_kda_impl
 from tests.helpers import assert_close
 
 torch = pytest.importorskip("torch")
@@ -94,24 +94,29 @@ def hf_model(path, seed: int, **overrides):
 _PAIRS: dict = {}
 
 
-def _pair(variant: str, tmp_path_factory):
-    """(name, transformers model, our jitted forward), built once per variant."""
+def _pair(variant: str, impl: str, tmp_path_factory):
+    """(name, transformers model, our jitted forward), built once per variant and impl."""
     if variant not in _PAIRS:
         path = tmp_path_factory.mktemp(variant)
-        ref = hf_model(path, seed=len(variant), **VARIANTS[variant])
-        graphdef, params = nnx.split(load_pretrained(path, dtype="float32"))
-        _PAIRS[variant] = (variant, ref, lambda ids: forward(graphdef, params, ids))
-    return _PAIRS[variant]
+        _PAIRS[variant] = (hf_model(path, seed=len(variant), **VARIANTS[variant]), path)
+    ref, path = _PAIRS[variant]
+    graphdef, params = nnx.split(set_kda_impl(load_pretrained(path, dtype="float32"), impl))
+    return f"{variant}/{impl}", ref, lambda ids: forward(graphdef, params, ids)
 
 
-# Every variant at T = 130 (two chunks, the second partial); the base model also at T = 1 and
-# 37. Each (variant, T) is a fresh compile, so the grid is kept to what adds coverage.
-CASES = [("base", 1), ("base", 37)] + [(v, 130) for v in sorted(VARIANTS)]
+# Every variant at T = 130 (two chunks, the second partial) with the default KDA prefill
+# ('auto': the recurrent scan on CPU), two of them with the chunked form too; the base model
+# also at T = 1 and 37. Each case is a fresh compile, so the grid is kept to what adds coverage.
+CASES = (
+    [("base", 1, "chunked"), ("base", 37, "auto")]
+    + [(v, 130, "auto") for v in sorted(VARIANTS)]
+    + [(v, 130, "chunked") for v in ("base", "odd_dims")]
+)
 
 
-@pytest.mark.parametrize("variant,T", CASES)
-def test_logits_match_transformers(variant, T, tmp_path_factory):
-    name, ref, ours = _pair(variant, tmp_path_factory)
+@pytest.mark.parametrize("variant,T,impl", CASES)
+def test_logits_match_transformers(variant, T, impl, tmp_path_factory):
+    name, ref, ours = _pair(variant, impl, tmp_path_factory)
     ids = np.random.default_rng(T).integers(0, BASE["vocab_size"], (2, T))
     with torch.no_grad():
         expected = ref(torch.as_tensor(ids)).logits.numpy()
