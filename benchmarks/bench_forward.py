@@ -28,15 +28,17 @@ from flax import nnx  # noqa: E402
 
 from kimi_linear_jax.checkpoint import save_pretrained  # noqa: E402
 from kimi_linear_jax.config import preset  # noqa: E402
-from kimi_linear_jax.model import forward  # noqa: E402
+from kimi_linear_jax.model import forward, set_kda_impl  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 COLUMNS = [
     "B",
     "T",
     "ours_tok_s",
+    "ours_chunked_tok_s",
     "transformers_tok_s",
     "ours/transformers",
+    "chunked/transformers",
     "ratio_of_min",
     "max_rel_err",
 ]
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         tmodel = load_transformers(tmp)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(model)  # default KDA prefill: 'auto' (recurrent on a CPU)
+    graphdef_chunked = nnx.graphdef(set_kda_impl(model, "chunked"))
     print(f"small preset: {n_params / 1e6:.1f}M parameters; torch threads = {threads}", flush=True)
 
     rng = np.random.default_rng(a.seed)
@@ -82,8 +85,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t0 = time.perf_counter()
         compiled = forward.lower(graphdef, params, ids_j).compile()
         compile_s = time.perf_counter() - t0
+        compiled_chunked = forward.lower(graphdef_chunked, params, ids_j).compile()
 
         def ours(compiled=compiled, ids_j=ids_j):
+            return compiled(params, ids_j)
+
+        def ours_chunked(compiled=compiled_chunked, ids_j=ids_j):
             return compiled(params, ids_j)
 
         def theirs(ids_t=ids_t):
@@ -92,13 +99,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         # The first call of each side is the untimed warm-up (and gives the logits to compare).
         got = np.asarray(ours(), np.float64)
+        got_chunked = np.asarray(ours_chunked(), np.float64)
         t0 = time.perf_counter()
         expected = theirs().numpy().astype(np.float64)
         first_torch_s = time.perf_counter() - t0
         err = np.abs(got - expected)
         scale = np.abs(expected).max()
         res = timeit_interleaved(
-            {"ours": ours, "transformers": theirs}, warmup=0, repeats=a.repeats
+            {"ours": ours, "ours_chunked": ours_chunked, "transformers": theirs},
+            warmup=0,
+            repeats=a.repeats,
         )
         row = {
             "B": 1,
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[f"{side}_all_s"] = r["all"]
             row[f"{side}_tok_s"] = t / r["median_s"]
         row["ours/transformers"] = row["ours_tok_s"] / row["transformers_tok_s"]
+        row["chunked/transformers"] = row["ours_chunked_tok_s"] / row["transformers_tok_s"]
+        row["chunked_max_rel_err"] = float(np.abs(got_chunked - expected).max() / scale)
         # The same ratio from each side's fastest call: less sensitive to a slow spell.
         row["ratio_of_min"] = row["transformers_min_s"] / row["ours_min_s"]
         # max |ours - theirs| over max |theirs|, and the rms relative error.

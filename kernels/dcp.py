@@ -15,14 +15,17 @@ rank-local lengths, and the partials ``(o_r, lse_r)`` are combined by log-sum-ex
 DCP: row t of a T-token window sees ``ctx - T + 1 + t`` global keys, so its rank-local length is
 ``local_len(ctx - T + 1 + t, r)`` -- never ``local_len(ctx, r) - (T - 1 - t)``.
 
-Nothing here sizes scratch from local heads or a fixed T: every buffer (the gathered partials
-``[c, B, T, H, L]`` included) takes H and T from the query it is given.
+Nothing here sizes scratch from local heads or a fixed T: every buffer (partials [B, T, H, L],
+gathered lse [c, B, T, H], gathered o [c, B, T, H, L] for the all-gather combine) takes the full
+H and the real T from the query it is given. The entry points are not jitted themselves: they
+are meant to run inside a jitted step (tests jit them with the mesh static).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 
 import jax
@@ -156,30 +159,56 @@ def merge_stacked_partials(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
     M = max lse (0 where all are -inf); lse = M + log(sum exp(lse_r - M));
     o = sum exp(lse_r - lse) o_r; rows empty on every rank give lse = -inf, o = 0.
     """
+    # Unrolled over the (static, small) partial count: XLA:CPU reduces a stacked [c, B, 1, H, L]
+    # over axis 0 up to 10x slower than this sum of c fused terms (benchmarks/dcp_combine.py).
+    c = o.shape[0]
     m = jnp.max(lse, axis=0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)  # exp(-inf) = 0: empty slices drop out
-    total = jnp.sum(w, axis=0)
+    w = [jnp.exp(lse[r] - m) for r in range(c)]  # exp(-inf) = 0: empty slices drop out
+    total = functools.reduce(jnp.add, w)
     safe = jnp.where(total > 0, total, 1.0)
     lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-    o_out = jnp.sum((w / safe)[..., None] * o, axis=0)
+    terms = [
+        jnp.where((w[r] > 0)[..., None], (w[r] / safe)[..., None] * o[r], 0.0) for r in range(c)
+    ]
+    o_out = functools.reduce(jnp.add, terms)
     return o_out, lse_out
 
 
-def _combine_over_dcp(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inside shard_map: one all-gather of the partials over 'dcp', then the same local merge on
-    every rank (so the result is replicated bit-identically).
-
-    Chosen over all-to-all over heads + local merge (+ all-gather of the merged heads to get a
-    replicated output): it is a single collective (decode is latency-bound: B*T*H*L f32 is a few
-    MiB at most), works for any H (all-to-all needs H % c == 0 or padding: odd head counts are
-    a test case here), and every rank ends with all heads, which the replicated W_UV / o_proj
-    that follow want. It moves (c - 1) * |o| per rank instead of 2 (c - 1) / c * |o|, which
-    matters only at large c and large B*T (see benchmarks/dcp_combine.py).
-    """
+def combine_all_gather(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map over 'dcp': all-gather (o, lse) of every rank, then the same local merge
+    on every rank. One collective phase, but each rank receives (c - 1) * |o|."""
     o_all = jax.lax.all_gather(o, DCP_AXIS)  # [c, B, T, H, L]
     lse_all = jax.lax.all_gather(lse, DCP_AXIS)  # [c, B, T, H]
     return merge_stacked_partials(o_all, lse_all)
+
+
+def combine_lse_psum(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map over 'dcp': all-gather the lse only ([c, B, T, H], tiny), merge it locally
+    (identical on every rank), rescale the own partial by exp(lse_r - lse), all-reduce o.
+
+    The default combine. Against all-gather of (o, lse) + local merge and all-to-all over heads +
+    local merge (+ all-gather of the merged heads, to give the replicated output the W_UV / o_proj
+    that follow want): it moves ~2 (c - 1) / c * |o| per rank like the all-to-all, not
+    (c - 1) * |o| like the all-gather, works for any H (the all-to-all needs H % c == 0; odd head
+    counts are a test case), and was the fastest of the three at every measured size on 8
+    emulated CPU devices (benchmarks/dcp_combine.py; c = 8, B = 32, T = 1, H = 32, L = 512:
+    5.1 ms vs 35 ms all-gather, 11 ms all-to-all + all-gather; at c = 2, B = 1 all within
+    0.15 ms). Its cost: two dependent collectives, so at tiny B*T on a real interconnect, where
+    latency dominates, the one-phase all-gather may win: measure there.
+    """
+    lse_all = jax.lax.all_gather(lse, DCP_AXIS)  # [c, B, T, H]
+    m = jnp.max(lse_all, axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(lse_all - m), axis=0)
+    safe = jnp.where(total > 0, total, 1.0)
+    lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    w = jnp.exp(lse - m) / safe  # 0 for an empty slice (and for rows empty everywhere)
+    o_scaled = jnp.where((w > 0)[..., None], w[..., None] * o, 0.0)
+    return jax.lax.psum(o_scaled, DCP_AXIS), lse_out
+
+
+COMBINES = {"lse_psum": combine_lse_psum, "all_gather": combine_all_gather}
 
 
 # --------------------------------------------------------------------------- shard_map entry points
@@ -245,6 +274,7 @@ def dcp_attention(
     mesh: Mesh,
     backend: AttentionBackend = mla_paged_attention_reference,
     local_kv_lens: jax.Array | None = None,
+    combine: str = "lse_psum",
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed paged MLA with the latent cache sharded over 'dcp'.
 
@@ -256,13 +286,15 @@ def dcp_attention(
 
     Rank r attends with ``local_len(kv_lens, r)`` keys, unless ``local_kv_lens`` [c, B, T]
     (host metadata, e.g. :func:`dcp_metadata`) is given: then rank r uses row r of it as is.
-    ``backend`` has the signature of ``mla_paged_attention_reference``.
+    ``backend`` has the signature of ``mla_paged_attention_reference``; ``combine`` names the
+    collective merge of the partials (a key of ``COMBINES``; see :func:`combine_lse_psum`).
     """
     c = dcp_size(mesh)
+    combine_fn = COMBINES[combine]
 
     def attend(q_lat, q_pe, cache_l, block_table, lens):
         o, lse = backend(q_lat, q_pe, cache_l, block_table, lens, sm_scale=sm_scale)
-        return _combine_over_dcp(o.astype(jnp.float32), lse.astype(jnp.float32))
+        return combine_fn(o.astype(jnp.float32), lse.astype(jnp.float32))
 
     if local_kv_lens is None:
 

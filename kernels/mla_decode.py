@@ -17,6 +17,7 @@ The reference is `kimi_linear_jax.ops.mla.mla_paged_attention_reference`; run wi
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ from jax.experimental.pallas import triton as plgpu_triton
 _TARGET_PROGRAMS = 256
 # A split shorter than this many tokens costs more in partial writes than it gains in parallelism.
 _MIN_SPLIT_TOKENS = 256
-# A 32 x 512 f32 accumulator is 64 registers a thread at 8 warps; 64 rows would spill.
+# A 32 x 512 f32 accumulator takes 64 registers a thread at 8 warps; at 64 rows the accumulator
+# alone would take 128, so Triton would likely spill (not measured).
 _MAX_BLOCK_H = 32
 
 
@@ -41,6 +43,11 @@ def _check_dims(L: int, R: int, page_size: int, block_h: int) -> None:
     for name, n in (("L", L), ("R", R), ("page_size", page_size), ("block_h", block_h)):
         if not _is_pow2(n) or n < 16:
             raise ValueError(f"{name} = {n} must be a power of two >= 16")
+
+
+def kernel_supports(L: int, R: int, page_size: int) -> bool:
+    """Whether the Triton kernel takes these dims (the release's 512 / 64 with pages of 16+)."""
+    return all(_is_pow2(n) and n >= 16 for n in (L, R, page_size))
 
 
 def _default_block_h(rows: int) -> int:
@@ -146,6 +153,69 @@ def _fold_rows(q_lat, q_pe, kv_lens, rows_pad: int, dtype):
     return q_lat, q_pe, jnp.pad(lens, ((0, 0), (0, rows_pad - T * H)))
 
 
+class _Tiles(NamedTuple):
+    block_h: int
+    row_blocks: int
+    pages_per_split: int
+    num_splits: int
+
+
+def _tiles(B: int, rows: int, max_pages: int, page_size: int, block_h, pages_per_split, num_splits):
+    """Resolve the tile knobs; the splits cover the table, the last one possibly short."""
+    if max_pages == 0:
+        raise ValueError("block_table needs at least one column")
+    if pages_per_split is not None and num_splits is not None:
+        raise ValueError("give pages_per_split or num_splits, not both")
+    block_h = block_h or _default_block_h(rows)
+    row_blocks = pl.cdiv(rows, block_h)
+    if pages_per_split is None:
+        num_splits = num_splits or _default_num_splits(B * row_blocks, max_pages, page_size)
+        pages_per_split = pl.cdiv(max_pages, min(num_splits, max_pages))
+    return _Tiles(block_h, row_blocks, pages_per_split, pl.cdiv(max_pages, pages_per_split))
+
+
+def _split_call(
+    lens, table, q_lat, q_pe, cache, *, sm_scale, tiles, num_warps, num_stages, interpret
+):
+    """The pallas_call: per-split partials o [S, B, rows, L], lse [S, B, rows] (rows padded)."""
+    B, rows_pad, L = q_lat.shape
+    R = q_pe.shape[-1]
+    block_h, S = tiles.block_h, tiles.num_splits
+    kernel = functools.partial(
+        _split_kernel,
+        sm_scale=float(sm_scale),
+        pages_per_split=tiles.pages_per_split,
+        precision=_dot_precision(q_lat.dtype, interpret),
+    )
+    # Row blocks vary fastest in the launch order, so the programs that read the same pages run
+    # side by side and the second reader finds them in L2.
+    grid = (tiles.row_blocks, S, B)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, block_h), lambda i, s, b: (b, i)),
+            pl.BlockSpec(table.shape, lambda i, s, b: (0, 0)),  # whole: read by scalar
+            pl.BlockSpec((None, block_h, L), lambda i, s, b: (b, i, 0)),
+            pl.BlockSpec((None, block_h, R), lambda i, s, b: (b, i, 0)),
+            pl.BlockSpec(cache.shape, lambda i, s, b: (0, 0, 0)),  # whole: paged by the kernel
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, L), lambda i, s, b: (s, b, i, 0)),
+            pl.BlockSpec((None, None, block_h), lambda i, s, b: (s, b, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((S, B, rows_pad, L), jnp.float32),
+            jax.ShapeDtypeStruct((S, B, rows_pad), jnp.float32),
+        ],
+        compiler_params=plgpu_triton.CompilerParams(
+            num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages
+        ),
+        interpret=interpret,
+        name=f"mla_paged_attention_{block_h=}_pages_per_split={tiles.pages_per_split}",
+    )(lens, table, q_lat, q_pe, cache)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -181,6 +251,7 @@ def mla_paged_attention(
 
     Dots run in the promoted dtype of the queries and the cache (bf16 tensor cores for a bf16
     model), accumulating in f32; probabilities are cast to that dtype for the value product.
+    L, R and page_size must be powers of two >= 16 (the release L = 512, R = 64 are).
 
     Tuning knobs (static): `block_h` rows a program (power of two >= 16; default: the folded
     rows T * H rounded up, at most 32), `num_splits` splits of the block table (default: enough
@@ -189,64 +260,30 @@ def mla_paged_attention(
     """
     B, T, H, L = q_lat.shape
     R = q_pe.shape[-1]
-    page_size = cache.shape[1]
-    max_pages = block_table.shape[1]
+    page_size, P = cache.shape[1], block_table.shape[1]
     if cache.shape[2] != L + R:
         raise ValueError(f"cache width {cache.shape[2]} != L + R = {L + R}")
-    if pages_per_split is not None and num_splits is not None:
-        raise ValueError("give pages_per_split or num_splits, not both")
-
-    rows = T * H
-    block_h = block_h or _default_block_h(rows)
-    _check_dims(L, R, page_size, block_h)
-    row_blocks = pl.cdiv(rows, block_h)
-    if pages_per_split is None:
-        num_splits = num_splits or _default_num_splits(B * row_blocks, max_pages, page_size)
-        pages_per_split = pl.cdiv(max_pages, min(num_splits, max_pages))
-    num_splits = pl.cdiv(max_pages, pages_per_split)
-    # Entries past the real table are never read (the page loop stops at the longest row).
-    table = jnp.pad(
-        block_table.astype(jnp.int32), ((0, 0), (0, num_splits * pages_per_split - max_pages))
-    )
+    tiles = _tiles(B, T * H, P, page_size, block_h, pages_per_split, num_splits)
+    _check_dims(L, R, page_size, tiles.block_h)
 
     dtype = jnp.promote_types(jnp.promote_types(q_lat.dtype, q_pe.dtype), cache.dtype)
-    q_lat_r, q_pe_r, lens = _fold_rows(q_lat, q_pe, kv_lens, row_blocks * block_h, dtype)
-
-    kernel = functools.partial(
-        _split_kernel,
-        sm_scale=float(sm_scale),
-        pages_per_split=pages_per_split,
-        precision=_dot_precision(dtype, interpret),
+    rows_pad = tiles.row_blocks * tiles.block_h
+    q_lat_r, q_pe_r, lens = _fold_rows(q_lat, q_pe, kv_lens, rows_pad, dtype)
+    # Entries past the real table are never read (the page loop stops at the longest row).
+    table = jnp.pad(
+        block_table.astype(jnp.int32), ((0, 0), (0, tiles.num_splits * tiles.pages_per_split - P))
     )
-    whole = pl.BlockSpec(memory_space=pl.ANY) if False else None
-    del whole
-    # Row blocks vary fastest in the launch order, so the programs that read the same pages run
-    # side by side and the second reader finds them in L2.
-    grid = (row_blocks, num_splits, B)
-    o_s, lse_s = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_h), lambda i, s, b: (b, i)),
-            pl.BlockSpec(table.shape, lambda i, s, b: (0, 0)),
-            pl.BlockSpec((None, block_h, L), lambda i, s, b: (b, i, 0)),
-            pl.BlockSpec((None, block_h, R), lambda i, s, b: (b, i, 0)),
-            pl.BlockSpec(cache.shape, lambda i, s, b: (0, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, block_h, L), lambda i, s, b: (s, b, i, 0)),
-            pl.BlockSpec((None, None, block_h), lambda i, s, b: (s, b, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_splits, B, row_blocks * block_h, L), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, B, row_blocks * block_h), jnp.float32),
-        ],
-        compiler_params=plgpu_triton.CompilerParams(
-            num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages
-        ),
+    o_s, lse_s = _split_call(
+        lens,
+        table,
+        q_lat_r,
+        q_pe_r,
+        cache,
+        sm_scale=sm_scale,
+        tiles=tiles,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
-        name=f"mla_paged_attention_{block_h=}_{pages_per_split=}",
-    )(lens, table, q_lat_r, q_pe_r, cache)
-
-    o, lse = _combine_splits(o_s[:, :, :rows], lse_s[:, :, :rows])
+    )
+    o, lse = _combine_splits(o_s[:, :, : T * H], lse_s[:, :, : T * H])
     return o.reshape(B, T, H, L), lse.reshape(B, T, H)

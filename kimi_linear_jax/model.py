@@ -25,7 +25,21 @@ from kimi_linear_jax.layers.linear import Embed, Linear
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.ops.mla import mla_paged_attention_reference
 
-DEFAULT_BACKEND = mla_paged_attention_reference
+
+def auto_backend(q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale):
+    """Paged MLA attention: the Pallas kernel on a GPU when it takes the dims, else the XLA
+    reference (a CPU engine must be fast; the kernel's interpret mode is for tests only)."""
+    if jax.default_backend() == "gpu":
+        from kernels.mla_decode import kernel_supports, mla_paged_attention
+
+        if kernel_supports(q_lat.shape[-1], q_pe.shape[-1], cache.shape[1]):
+            return mla_paged_attention(q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale)
+    return mla_paged_attention_reference(
+        q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale
+    )
+
+
+DEFAULT_BACKEND = auto_backend
 
 
 class Backbone(nnx.Module):

@@ -1,0 +1,135 @@
+"""DCP partial combine: all-gather of (o, lse) + merge vs all-to-all over heads + merge vs
+all-gather of lse + all-reduce of the rescaled o.
+
+Times only the combine (the per-rank partials are inputs, sharded over 'dcp') on emulated CPU
+devices, so the numbers measure copies and per-collective overhead, not NVLink; they rank the
+strategies by work, not by what a GPU interconnect would give. Strategies:
+
+- ``ag``: all-gather o [B,T,H,L] and lse [B,T,H] over 'dcp', merge locally
+  (``kernels.dcp.combine_all_gather``).
+- ``a2a+ag``: all-to-all over heads (rank r gets every rank's partial for heads group r), merge
+  H/c heads locally, all-gather the merged heads to get a replicated output.
+- ``a2a``: the same without the final all-gather (output left head-sharded: only useful if the
+  next op consumes heads sharded over 'dcp').
+- ``ag_lse+psum``: all-gather lse only, scale o_r by exp(lse_r - lse), all-reduce
+  (``kernels.dcp.combine_lse_psum``, the default of ``dcp_attention``).
+
+Run from the repo root: ``python benchmarks/dcp_combine.py [--repeats 10]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import print_table, timeit_interleaved, write_json  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from kernels import dcp  # noqa: E402
+
+AX = dcp.DCP_AXIS
+COLUMNS = ["c", "B", "T", "H", "L", "o_MiB", "ag_ms", "a2a+ag_ms", "a2a_ms", "ag_lse+psum_ms"]
+COLUMNS += ["a2a+ag/ag", "max_abs_diff"]
+
+
+def _a2a_local(o, lse, c):
+    B, T, H, L = o.shape
+    hc = H // c
+    # [c (heads group), B, T, H/c, ...]: group g goes to rank g, received stacked by source.
+    o_g = jnp.moveaxis(o.reshape(B, T, c, hc, L), 2, 0)
+    lse_g = jnp.moveaxis(lse.reshape(B, T, c, hc), 2, 0)
+    o_g = jax.lax.all_to_all(o_g, AX, 0, 0, tiled=True)
+    lse_g = jax.lax.all_to_all(lse_g, AX, 0, 0, tiled=True)
+    return dcp.merge_stacked_partials(o_g, lse_g)  # heads group r: [B, T, H/c, L]
+
+
+def _a2a_ag(o, lse, c):
+    o_m, lse_m = _a2a_local(o, lse, c)
+    return (
+        jax.lax.all_gather(o_m, AX, axis=2, tiled=True),
+        jax.lax.all_gather(lse_m, AX, axis=2, tiled=True),
+    )
+
+
+def build(mesh: Mesh, c: int):
+    """name -> jitted fn(o [c,B,T,H,L], lse [c,B,T,H]) (sharded over 'dcp' on axis 0)."""
+    kw = dict(mesh=mesh, in_specs=(P(AX), P(AX)), **dcp._NO_CHECK)
+    head_sharded = (P(None, None, AX, None), P(None, None, AX))
+
+    def wrap(f, out_specs):
+        def body(o, lse):
+            return f(o[0], lse[0])
+
+        return jax.jit(dcp._shard_map(body, out_specs=out_specs, **kw))
+
+    return {
+        "ag": wrap(dcp.combine_all_gather, (P(), P())),
+        "a2a+ag": wrap(lambda o, l: _a2a_ag(o, l, c), (P(), P())),
+        "a2a": wrap(lambda o, l: _a2a_local(o, l, c), head_sharded),
+        "ag_lse+psum": wrap(dcp.combine_lse_psum, (P(), P())),
+    }
+
+
+def bench(c: int, B: int, T: int, H: int, L: int, repeats: int) -> dict:
+    mesh = Mesh(np.array(jax.devices()[:c]), (AX,))
+    rng = np.random.default_rng(0)
+    o = rng.standard_normal((c, B, T, H, L)).astype(np.float32)
+    lse = (rng.standard_normal((c, B, T, H)) * 3).astype(np.float32)
+    lse[1:, 0] = -np.inf  # a short sequence: only rank 0 has keys
+    o[1:, 0] = 0.0
+    o = jax.device_put(o, NamedSharding(mesh, P(AX)))
+    lse = jax.device_put(lse, NamedSharding(mesh, P(AX)))
+    fns = build(mesh, c)
+    outs = {k: jax.block_until_ready(f(o, lse)) for k, f in fns.items()}
+    res = timeit_interleaved({k: (lambda f=f: f(o, lse)) for k, f in fns.items()}, repeats=repeats)
+    row = {"c": c, "B": B, "T": T, "H": H, "L": L, "o_MiB": B * T * H * L * 4 / 2**20}
+    for k, r in res.items():
+        row[f"{k}_ms"] = r["median_s"] * 1e3
+        row[f"{k}_min_ms"] = r["min_s"] * 1e3
+    row["a2a+ag/ag"] = row["a2a+ag_ms"] / row["ag_ms"]
+    row["max_abs_diff"] = max(
+        float(jnp.max(jnp.abs(outs[k][0] - outs["ag"][0]))) for k in fns if k != "ag"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--H", type=int, default=32, help="MLA heads (Kimi Linear 48B: 32)")
+    p.add_argument("--L", type=int, default=512, help="kv_lora_rank")
+    a = p.parse_args(argv)
+    rows = []
+    for c in (2, 4, 8):
+        for B, T in ((1, 1), (8, 1), (32, 1), (8, 4), (64, 1)):
+            rows.append(bench(c, B, T, a.H, a.L, a.repeats))
+            print(f"done: c={c} B={B} T={T}", flush=True)
+    print()
+    print_table(rows, COLUMNS)
+    path = write_json(
+        "dcp_combine",
+        rows,
+        {
+            "dtype": "float32",
+            "note": "median ms of the combine alone on emulated CPU devices; compile excluded",
+        },
+    )
+    print(f"\nwrote {os.path.relpath(path)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
