@@ -96,11 +96,13 @@ class KimiLinearForCausalLM(nnx.Module):
         has_prefix: bool = False,
         backend=DEFAULT_BACKEND,
         last_only: bool = False,
+        mesh=None,
     ) -> tuple[jax.Array, ModelCache]:
         """Run a right-padded chunk [B, T] (row b has batch.lengths[b] tokens after
         batch.start[b] cached ones). `has_prefix` (static) attends to cached tokens too; leave
         it False when every row starts at 0. `last_only` returns logits of each row's last
-        valid token only: [B, vocab]."""
+        valid token only: [B, vocab]. `mesh` (static): a mesh with a 'dcp' axis whose MLA
+        caches are sharded over it (decode context parallelism); None for one device."""
         x = self.model.embed_tokens(input_ids)
         kda, mla = list(cache.kda), list(cache.mla)
         ik = im = 0
@@ -112,7 +114,7 @@ class KimiLinearForCausalLM(nnx.Module):
                 ik += 1
             else:
                 y, mla[im] = block.self_attn.prefill(
-                    h, mla[im], batch, has_prefix=has_prefix, backend=backend
+                    h, mla[im], batch, has_prefix=has_prefix, backend=backend, mesh=mesh
                 )
                 im += 1
             x = block.ffn(x + y)
@@ -122,7 +124,13 @@ class KimiLinearForCausalLM(nnx.Module):
         return self._logits(x), ModelCache(tuple(kda), tuple(mla))
 
     def verify(
-        self, input_ids: jax.Array, cache: ModelCache, batch: Batch, *, backend=DEFAULT_BACKEND
+        self,
+        input_ids: jax.Array,
+        cache: ModelCache,
+        batch: Batch,
+        *,
+        backend=DEFAULT_BACKEND,
+        mesh=None,
     ) -> tuple[jax.Array, ModelCache, tuple[KDAState, ...]]:
         """Window pass over [B, T] new tokens. MLA rows are written; KDA states are NOT
         committed: returns the per-step states of every KDA layer (`KDAState` arrays with a
@@ -140,16 +148,22 @@ class KimiLinearForCausalLM(nnx.Module):
                 per_step.append(steps)
                 ik += 1
             else:
-                y, mla[im] = block.self_attn.decode(h, mla[im], batch, backend=backend)
+                y, mla[im] = block.self_attn.decode(h, mla[im], batch, backend=backend, mesh=mesh)
                 im += 1
             x = block.ffn(x + y)
         return self._logits(x), ModelCache(cache.kda, tuple(mla)), tuple(per_step)
 
     def decode(
-        self, input_ids: jax.Array, cache: ModelCache, batch: Batch, *, backend=DEFAULT_BACKEND
+        self,
+        input_ids: jax.Array,
+        cache: ModelCache,
+        batch: Batch,
+        *,
+        backend=DEFAULT_BACKEND,
+        mesh=None,
     ) -> tuple[jax.Array, ModelCache]:
         """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]."""
-        logits, cache, per_step = self.verify(input_ids, cache, batch, backend=backend)
+        logits, cache, per_step = self.verify(input_ids, cache, batch, backend=backend, mesh=mesh)
         return logits, commit_kda(cache, per_step, batch.slots, batch.lengths)
 
 
@@ -185,17 +199,23 @@ def init_model(config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32):
 
 # ---- jitted steps over nnx.split(model) ------------------------------------------------------
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "has_prefix", "last_only"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("graphdef", "has_prefix", "last_only", "mesh"),
+    donate_argnames=("cache",),
 )
-def prefill_step(graphdef, params, input_ids, cache, batch, has_prefix=False, last_only=True):
+def prefill_step(
+    graphdef, params, input_ids, cache, batch, has_prefix=False, last_only=True, mesh=None
+):
     model = nnx.merge(graphdef, params)
-    return model.prefill(input_ids, cache, batch, has_prefix=has_prefix, last_only=last_only)
+    return model.prefill(
+        input_ids, cache, batch, has_prefix=has_prefix, last_only=last_only, mesh=mesh
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def decode_step(graphdef, params, input_ids, cache, batch):
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("cache",))
+def decode_step(graphdef, params, input_ids, cache, batch, mesh=None):
     model = nnx.merge(graphdef, params)
-    return model.decode(input_ids, cache, batch)
+    return model.decode(input_ids, cache, batch, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -77,16 +77,30 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         return mla_ops.mla_naive_attention(q, k, kvb[..., self.nope :], mask, self.sm_scale)
 
-    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens, backend):
-        """Attention over the paged cache in latent space, mapped back to [B, T, N, Vd] f32."""
+    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens, backend, mesh=None):
+        """Attention over the paged cache in latent space, mapped back to [B, T, N, Vd] f32.
+        With a DCP mesh the cache is sharded over 'dcp' and rank partials merge by lse."""
         w_uk, w_uv = self._kv_b()
         acc = acc_dtype(q_nope)
         q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
-        o_lat, lse = backend(
-            q_lat, q_pe.astype(acc), cache, block_table, kv_lens, sm_scale=self.sm_scale
-        )
+        args = (q_lat, q_pe.astype(acc), cache, block_table, kv_lens)
+        if mesh is None:
+            o_lat, lse = backend(*args, sm_scale=self.sm_scale)
+        else:
+            from kernels.dcp import dcp_attention
+
+            o_lat, lse = dcp_attention(*args, sm_scale=self.sm_scale, mesh=mesh, backend=backend)
         o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
         return o, lse
+
+    @staticmethod
+    def _write(cache: jax.Array, rows: jax.Array, batch, mesh) -> jax.Array:
+        """Store new latent rows; under DCP each token is written by its owning rank only."""
+        if mesh is None:
+            return mla_ops.write_latents(cache, rows, batch.block_table, batch.start, batch.lengths)
+        from kernels.dcp import dcp_write_latents
+
+        return dcp_write_latents(cache, rows, batch.block_table, batch.start, batch.lengths, mesh)
 
     def _out(self, x: jax.Array, o: jax.Array) -> jax.Array:
         return self.o_proj(o.astype(x.dtype).reshape(*x.shape[:-1], -1))
@@ -100,7 +114,9 @@ class MLA(nnx.Module):
         o, _ = self._naive(q_nope, q_pe, self.latent(x), mask)
         return self._out(x, o)
 
-    def prefill(self, x, cache: MLACache, batch, *, has_prefix: bool, backend: AttentionBackend):
+    def prefill(
+        self, x, cache: MLACache, batch, *, has_prefix: bool, backend: AttentionBackend, mesh=None
+    ):
         """Chunk of T new tokens at positions start..start+T-1: naive attention inside the chunk,
         plus (has_prefix) absorbed attention over the cached prefix, merged by lse."""
         q_nope, q_pe = self._query(x)
@@ -111,24 +127,20 @@ class MLA(nnx.Module):
         if has_prefix:
             kv_lens = jnp.broadcast_to(batch.start[:, None], (x.shape[0], T))
             o_p, lse_p = self._absorbed(
-                q_nope, q_pe, cache.latent, batch.block_table, kv_lens, backend
+                q_nope, q_pe, cache.latent, batch.block_table, kv_lens, backend, mesh
             )
             o, _ = mla_ops.merge_partials(o, lse, o_p, lse_p)
-        latent = mla_ops.write_latents(
-            cache.latent, rows, batch.block_table, batch.start, batch.lengths
-        )
+        latent = self._write(cache.latent, rows, batch, mesh)
         return self._out(x, o), MLACache(latent)
 
-    def decode(self, x, cache: MLACache, batch, *, backend: AttentionBackend):
+    def decode(self, x, cache: MLACache, batch, *, backend: AttentionBackend, mesh=None):
         """T new tokens (decode T = 1, verify T = k + 1): write their rows, then row t attends
         to the first start + t + 1 positions (clamped to the row's valid length)."""
         q_nope, q_pe = self._query(x)
-        latent = mla_ops.write_latents(
-            cache.latent, self.latent(x), batch.block_table, batch.start, batch.lengths
-        )
+        latent = self._write(cache.latent, self.latent(x), batch, mesh)
         T = x.shape[1]
         t = jnp.arange(T)[None, :]
         kv_lens = batch.start[:, None] + jnp.minimum(t + 1, batch.lengths[:, None])
         kv_lens = jnp.where(batch.lengths[:, None] > 0, kv_lens, 0)
-        o, _ = self._absorbed(q_nope, q_pe, latent, batch.block_table, kv_lens, backend)
+        o, _ = self._absorbed(q_nope, q_pe, latent, batch.block_table, kv_lens, backend, mesh)
         return self._out(x, o), MLACache(latent)
