@@ -49,7 +49,9 @@ def cmd_generate(args) -> int:
     ids = _prompt_ids(args, tokenizer)
     t0 = time.perf_counter()
     eos = () if args.ignore_eos else model.config.eos_token_ids
-    (out,) = greedy_generate(model, [ids], args.max_tokens, eos_token_ids=eos)
+    (out,) = greedy_generate(
+        model, [ids], args.max_tokens, eos_token_ids=eos, dcp_size=args.dcp_size
+    )
     dt = time.perf_counter() - t0
     text = tokenizer.decode(out) if tokenizer is not None else None
     print(json.dumps({"prompt_tokens": len(ids), "token_ids": out, "text": text}))
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--dcp-size", type=int, default=1, help="spread the MLA cache over N devices (DCP)"
+    )
     g.set_defaults(func=cmd_generate)
     i = sub.add_parser("info", help="parameter count of a preset (abstract, nothing allocated)")
     i.add_argument("--preset", default="kimi-linear-48b-a3b")
