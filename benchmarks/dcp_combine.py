@@ -14,7 +14,8 @@ strategies by work, not by what a GPU interconnect would give. Strategies:
 - ``ag_lse+psum``: all-gather lse only, scale o_r by exp(lse_r - lse), all-reduce
   (``kernels.dcp.combine_lse_psum``, the default of ``dcp_attention``).
 
-Run from the repo root: ``python benchmarks/dcp_combine.py [--repeats 10]``.
+Run from the repo root: ``python benchmarks/dcp_combine.py [--repeats 10] [--quick]`` (``--quick``:
+6 of the 15 configs, 5 repeats; what ``run_all.py`` runs).
 """
 
 from __future__ import annotations
@@ -108,14 +109,22 @@ def bench(c: int, B: int, T: int, H: int, L: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, help="timed calls per strategy (10; --quick: 5)")
     p.add_argument("--H", type=int, default=32, help="MLA heads (Kimi Linear 48B: 32)")
     p.add_argument("--L", type=int, default=512, help="kv_lora_rank")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="c in (2, 8) and (B, T) in ((1, 1), (32, 1), (8, 4)) only (run_all's setting)",
+    )
     a = p.parse_args(argv)
+    repeats = a.repeats or (5 if a.quick else 10)
+    cs = (2, 8) if a.quick else (2, 4, 8)
+    shapes = ((1, 1), (32, 1), (8, 4)) if a.quick else ((1, 1), (8, 1), (32, 1), (8, 4), (64, 1))
     rows = []
-    for c in (2, 4, 8):
-        for B, T in ((1, 1), (8, 1), (32, 1), (8, 4), (64, 1)):
-            rows.append(bench(c, B, T, a.H, a.L, a.repeats))
+    for c in cs:
+        for B, T in shapes:
+            rows.append(bench(c, B, T, a.H, a.L, repeats))
             print(f"done: c={c} B={B} T={T}", flush=True)
     print()
     print_table(rows, COLUMNS)
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows,
         {
             "dtype": "float32",
+            "quick": a.quick,
+            "repeats": repeats,
             "note": "median ms of the combine alone on emulated CPU devices; compile excluded",
         },
     )

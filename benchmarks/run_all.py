@@ -8,15 +8,32 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
+import mla_decode  # noqa: E402
 
-BENCHMARKS = {"kda": bench_kda.main, "forward": bench_forward.main}
+
+def dcp_combine(argv: list[str]) -> None:
+    """In its own process: it emulates 8 CPU devices (XLA_FLAGS, read once per process), which
+    must not change the devices the other benchmarks run on."""
+    script = os.path.join(HERE, "dcp_combine.py")
+    subprocess.run([sys.executable, script, "--quick", *argv], check=True)
+
+
+BENCHMARKS = {
+    "kda": bench_kda.main,
+    "forward": bench_forward.main,
+    # On a CPU: the XLA reference over its reduced default grid (B 1 16, ctx 4096, T 1 4).
+    "mla_decode": mla_decode.main,
+    "dcp_combine": dcp_combine,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ def test_verify_window_with_kernel_backend():
     batch = contiguous_batch(B, 64, page, lengths=[N, N - 5])
     _, cache = model.prefill(jnp.asarray(ids[:, :N]), cache, batch)
     win = batch._replace(start=jnp.asarray([N, N - 5], jnp.int32), lengths=jnp.full((B,), T))
-    kernel = functools.partial(mla_paged_attention, interpret=True)
+    kernel = functools.partial(mla_paged_attention, interpret=True, num_splits=1)
     got, _, _ = nnx.jit(lambda m, c: m.verify(jnp.asarray(ids[:, N:]), c, win, backend=kernel))(
         model, cache
     )
