@@ -175,8 +175,8 @@ record env "$env_rc" $(($(date +%s) - s)) "python=${PY:-none} mode=$MODE"
 
 # ---- 2. nvidia-smi --------------------------------------------------------------------------
 if command -v nvidia-smi >/dev/null 2>&1; then
-    run_step nvidia-smi 20 bash -c 'nvidia-smi; nvidia-smi --format=csv \
-        --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu,power.draw'
+    Q=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu
+    run_step nvidia-smi 20 bash -c "nvidia-smi; nvidia-smi --format=csv --query-gpu=$Q,power.draw"
 else
     echo "nvidia-smi: not found" >"$OUTDIR/nvidia-smi.log"
     record nvidia-smi 127 0 "not found"
