@@ -54,7 +54,9 @@ def cmd_generate(args) -> int:
     )
     dt = time.perf_counter() - t0
     text = tokenizer.decode(out) if tokenizer is not None else None
-    print(json.dumps({"prompt_tokens": len(ids), "token_ids": out, "text": text}))
+    print(
+        json.dumps({"prompt_tokens": len(ids), "token_ids": out, "text": text}, ensure_ascii=False)
+    )
     print(f"[{len(out)} tokens in {dt:.2f}s incl. compile]", file=sys.stderr)
     return 0
 
