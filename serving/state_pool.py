@@ -1,0 +1,91 @@
+"""Recurrent-state slots: which request owns which KDA state slot, and slot-wise state moves.
+
+`StatePool` is host bookkeeping. Slot 0 is the null slot: never handed out, because padding
+rows of a batch point at it and write garbage there; a real request must never share it.
+
+The helpers below are pure JAX over a tuple of `KDAState` (one per KDA layer). They return new
+states and are jittable with traced slot indices, so the runner can fuse them into its steps
+(and donate the states). A slot's state is its three conv windows and S, moved together: a
+request restored with S but a stale conv window (or another slot's) decodes silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from kimi_linear_jax.cache import KDAState
+
+NULL_SLOT = 0
+KDAStates = tuple[KDAState, ...]
+
+
+class OutOfSlotsError(RuntimeError):
+    """No free state slot."""
+
+
+class StatePool:
+    """Hands out slots 1..num_slots-1, one per request."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot), got {num_slots}")
+        self.num_slots = num_slots
+        # Reversed so that pop() hands out low slot ids first.
+        self._free: list[int] = list(range(num_slots - 1, NULL_SLOT, -1))
+        self._owned: dict[Hashable, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, request_id: Hashable) -> int:
+        if request_id in self._owned:
+            raise ValueError(f"request {request_id!r} already holds slot {self._owned[request_id]}")
+        if not self._free:
+            raise OutOfSlotsError(
+                f"no free state slot for request {request_id!r}: "
+                f"all {self.num_slots - 1} are in use"
+            )
+        slot = self._free.pop()
+        self._owned[request_id] = slot
+        return slot
+
+    def slot(self, request_id: Hashable) -> int:
+        if request_id not in self._owned:
+            raise KeyError(f"request {request_id!r} holds no slot (unknown or already released)")
+        return self._owned[request_id]
+
+    def release(self, request_id: Hashable) -> None:
+        self._free.append(self.slot(request_id))
+        del self._owned[request_id]
+
+
+def reset_slots(kda_states: KDAStates, slots: jax.Array) -> KDAStates:
+    """Zero conv windows and S of `slots` [N] in every layer (a fresh request starts at zero)."""
+    slots = jnp.asarray(slots, jnp.int32)
+    return jax.tree.map(lambda x: x.at[slots].set(0), kda_states)
+
+
+def copy_slot(kda_states: KDAStates, src, dst) -> KDAStates:
+    """Every layer's state of slot `src` copied into slot `dst` (prefix-cache copy-on-write)."""
+    return jax.tree.map(lambda x: x.at[dst].set(x[src]), kda_states)
+
+
+def gather_slot(kda_states: KDAStates, slot) -> KDAStates:
+    """Every layer's state of `slot`, each array with a leading 1 (to save a preempted request).
+
+    `jax.device_get` of the result moves it to host; `scatter_slot` brings it back.
+    """
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), kda_states)
+
+
+def scatter_slot(kda_states: KDAStates, saved: KDAStates, slot) -> KDAStates:
+    """Write `saved` (from `gather_slot`, leading 1) into `slot` of every layer."""
+
+    def put(x, s):
+        return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(s, x.dtype), slot, axis=0)
+
+    return jax.tree.map(put, kda_states, saved)
