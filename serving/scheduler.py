@@ -1,0 +1,386 @@
+"""Continuous batching with chunked prefill and preemption (host, plain Python; no JAX here).
+
+Every step computes, for each scheduled request, the tokens `[num_computed_tokens, +length)` of
+`all_token_ids` and writes their KV and recurrent state. A step whose computed range reaches
+`num_tokens` ends with the request's next token sampled: a decode is a range of length 1, the
+last chunk of a prefill samples the first output token.
+
+Per step, under the token budget `max_num_batched_tokens`:
+
+1. running decodes, oldest first, one token each;
+2. running requests still in prefill, oldest first, a chunk of at most `chunk_size` tokens;
+3. WAITING / PREEMPTED requests admitted in arrival order (first come, first served: admission
+   stops at the first request that does not fit) while a state slot, `max_num_seqs`, pages for
+   its first chunk and budget remain.
+
+Preemption policy: recompute. A chunk first shrinks to the tokens that its own pages and the
+free pages can hold. When not even one token fits, the most recently arrived running request
+that is not yet scheduled this step (possibly the one asking) is preempted: its pages are freed,
+its state slot is released, `num_computed_tokens` goes back to 0 and it waits again in arrival
+order. Its tokens (prompt and outputs so far) are kept, and on re-admission prompt + outputs
+are prefilled again from scratch into a fresh slot. Nothing of the
+recurrent state is saved, so a stale or wrong slot cannot be restored: always correct, at the
+cost of recomputation. The runner must zero a request's slot (`reset_slots`) for a chunk whose
+`start` is 0 (`PrefillChunk.is_first`), since the slot may hold a previous owner's state.
+
+Pages: a step needs pages for the tokens it computes (`start + length`); the token sampled at
+the end of a step gets its KV in the next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their host methods
+    from serving.allocator import PageAllocator
+    from serving.sampling import SamplingParams
+    from serving.state_pool import StatePool
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request; the scheduler owns its mutable fields once added."""
+
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens of all_token_ids whose KV and recurrent state are in the cache.
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    arrival: int = -1  # set by Scheduler.add
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Compute tokens `all_token_ids[start:start + length]` of `request`."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_first(self) -> bool:
+        """The slot is fresh: the runner zeroes its state before this chunk."""
+        return self.start == 0
+
+    @property
+    def samples(self) -> bool:
+        """The chunk completes the prefill, so the step samples the request's next token."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.end]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step. Rows are `prefill` chunks then `decode` requests, in that order.
+
+    A decode computes token `num_tokens - 1` at position `num_computed_tokens` and samples.
+    Slots come from `StatePool.slot(request_id)`, block-table rows from
+    `PageAllocator.block_table_row(request_id, width)`.
+    """
+
+    prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    decode: list[Request] = dataclasses.field(default_factory=list)
+    preempted: list[Hashable] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.length for c in self.prefill) + len(self.decode)
+
+    @property
+    def rows(self) -> list[Request]:
+        return [c.request for c in self.prefill] + list(self.decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Decides which requests run each step and owns their pages and state slots."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        state_pool: StatePool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("chunk_size", chunk_size),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.allocator = allocator
+        self.state_pool = state_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[Hashable, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # WAITING and PREEMPTED, by arrival
+        self.running: list[Request] = []  # RUNNING, by arrival
+        self._arrivals = 0
+        self._in_flight = False  # schedule() was called and update() not yet
+        self._scheduled_ids: set[Hashable] = set()  # requests in the step being built
+        self._preempted_now: list[Hashable] = []  # ids preempted while building it
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- admission and abort -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; raises ValueError for one that could never run."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.finish_reason = None
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty")
+        if request.output_token_ids:
+            raise ValueError(f"request {rid!r}: output_token_ids must start empty")
+        max_tokens = request.params.max_tokens
+        if max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt length {prompt_len} + max_tokens {max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        # The last sampled token is never computed, so the KV peak is prompt + max_tokens - 1.
+        need = self.allocator.pages_for(prompt_len + max_tokens - 1)
+        if need > self.allocator.capacity:
+            raise ValueError(
+                f"request {rid!r} needs {need} pages (prompt {prompt_len} + max_tokens "
+                f"{max_tokens}) but the page pool holds only {self.allocator.capacity}"
+            )
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        """Finish the request with reason "abort"; None if unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        return request
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight:
+            raise RuntimeError("schedule() called twice without update()")
+        out = SchedulerOutput()
+        self._scheduled_ids = set()
+        self._preempted_now = out.preempted
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget, decodes=True)
+        budget = self._schedule_running(out, budget, decodes=False)
+        self._admit(out, budget)
+        self._in_flight = not out.is_empty
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, *, decodes: bool) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            rid = request.request_id
+            if request.status is not RequestStatus.RUNNING or rid in self._scheduled_ids:
+                continue  # preempted earlier in this pass
+            if (request.num_uncomputed == 1) != decodes:
+                continue
+            length = self._grow(request, min(request.num_uncomputed, self.chunk_size, budget))
+            if length == 0:
+                continue  # it preempted itself
+            self._scheduled_ids.add(rid)
+            budget -= length
+            if decodes:
+                out.decode.append(request)
+            else:
+                out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))
+        return budget
+
+    def _grow(self, request: Request, length: int) -> int:
+        """Pages for `length` more tokens (shrunk to what fits, preempting if none); 0 if the
+        request had to preempt itself."""
+        rid = request.request_id
+        start = request.num_computed_tokens
+        while True:
+            fit = self._fit(request)
+            if fit >= 1:
+                length = min(length, fit)
+                self.allocator.allocate(rid, start + length)
+                return length
+            victim = self._victim()
+            self._preempt(victim)
+            if victim is request:
+                return 0
+
+    def _fit(self, request: Request) -> int:
+        """Most new tokens the request's pages plus the free pages can hold."""
+        owned = len(self.allocator.pages(request.request_id))
+        room = (owned + self.allocator.num_free) * self.allocator.tokens_per_page
+        return room - request.num_computed_tokens
+
+    def _victim(self) -> Request:
+        """The most recently arrived running request not scheduled this step.
+
+        Running requests are visited oldest first, so the one asking for pages is itself a
+        candidate and no request already in this step's batch is ever chosen.
+        """
+        for request in reversed(self.running):
+            if request.request_id not in self._scheduled_ids:
+                return request
+        raise AssertionError("no preemptible request")  # the asker is always a candidate
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute policy: drop pages and slot, keep the tokens, re-prefill from scratch."""
+        rid = request.request_id
+        self.allocator.free(rid)
+        self.state_pool.release(rid)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.arrival)
+        self._preempted_now.append(rid)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs or self.state_pool.num_free == 0:
+                return
+            request = self.waiting[0]
+            rid = request.request_id
+            length = min(request.num_tokens, self.chunk_size, budget)
+            if not self.allocator.can_allocate(rid, length):
+                return  # first come, first served: nobody overtakes the head
+            self.waiting.pop(0)
+            self.allocator.allocate(rid, length)
+            self.state_pool.acquire(rid)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            budget -= length
+            out.prefill.append(PrefillChunk(request, 0, length))
+
+    # ---- after a step --------------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[Hashable, int] | Sequence[int | None]
+    ) -> list[Request]:
+        """Advance the step's requests and append their sampled tokens; return those finished.
+
+        `sampled` maps request id -> token, or is one entry per row of `output.rows` (entries
+        of rows that do not sample are ignored). Requests aborted mid-step are skipped.
+        """
+        self._in_flight = False
+        if not isinstance(sampled, Mapping):
+            rows = output.rows
+            if len(sampled) != len(rows):
+                raise ValueError(f"{len(sampled)} sampled entries for {len(rows)} rows")
+            sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
+        finished: list[Request] = []
+        steps = [(c.request, c.end, c.samples) for c in output.prefill]
+        steps += [(r, r.num_tokens, True) for r in output.decode]
+        for request, end, samples in steps:
+            if request.is_finished:
+                continue
+            request.num_computed_tokens = end
+            if samples and self._append(request, sampled[request.request_id]):
+                finished.append(request)
+        return finished
+
+    def _append(self, request: Request, token: int | None) -> bool:
+        if token is None:
+            raise ValueError(f"request {request.request_id!r} sampled but got no token")
+        request.output_token_ids.append(int(token))
+        reason = self._stop_reason(request, int(token))
+        if reason is None:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        rid = request.request_id
+        if request.status is RequestStatus.RUNNING:
+            self.allocator.free(rid)
+            self.state_pool.release(rid)
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[rid]

@@ -1,0 +1,330 @@
+"""Scheduler driven by a fake model on the host: continuous batching, chunked prefill and
+preemption never change what a request generates, and every page and slot comes back.
+
+The fake runner keeps a per-slot "recurrent state" (the tokens fed to that slot) and per-page
+"KV" (the tokens written there). A sampled token is a hash of the slot state, and the runner
+checks that the KV pages read back the request's tokens, so a chunk that skips or repeats
+tokens, a slot not reset on a fresh start, or a wrong block table changes the outputs or fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving.allocator import NULL_PAGE, PageAllocator
+from serving.sampling import SamplingParams
+from serving.scheduler import PrefillChunk, Request, RequestStatus, Scheduler, SchedulerOutput
+from serving.state_pool import NULL_SLOT, StatePool
+
+VOCAB = 50
+EOS = 7
+
+
+def next_token(token_ids: list[int]) -> int:
+    h = 17
+    for t in token_ids:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % VOCAB
+
+
+def expected_output(prompt: list[int], params: SamplingParams, eos=()) -> tuple[list[int], str]:
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+            return out, "stop"
+        if len(out) >= params.max_tokens:
+            return out, "length"
+
+
+class FakeRunner:
+    """Executes a SchedulerOutput against fake slot states and fake KV pages."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.slot_state: dict[int, list[int]] = {}
+        self.kv: dict[int, list[int | None]] = {}
+
+    def _compute(self, request: Request, start: int, length: int, fresh: bool) -> int | None:
+        alloc, tpp = self.sched.allocator, self.sched.allocator.tokens_per_page
+        slot = self.sched.state_pool.slot(request.request_id)
+        assert slot != NULL_SLOT
+        if fresh:
+            self.slot_state[slot] = []
+        state = self.slot_state[slot]
+        assert len(state) == start == request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + length]
+        state.extend(tokens)
+        row = alloc.block_table_row(request.request_id, alloc.pages_for(start + length))
+        for pos, tok in zip(range(start, start + length), tokens, strict=True):
+            page = int(row[pos // tpp])
+            assert page != NULL_PAGE
+            self.kv.setdefault(page, [None] * tpp)[pos % tpp] = tok
+        if start + length < request.num_tokens:
+            return None
+        read = [self.kv[int(row[p // tpp])][p % tpp] for p in range(start + length)]
+        assert read == request.all_token_ids, "KV pages do not hold the request's tokens"
+        return next_token(state)
+
+    def step(self, out: SchedulerOutput) -> list[int | None]:
+        sampled = [self._compute(c.request, c.start, c.length, c.is_first) for c in out.prefill]
+        sampled += [self._compute(r, r.num_tokens - 1, 1, False) for r in out.decode]
+        return sampled
+
+
+def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
+    sched.allocator.check_invariants()
+    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert all(1 <= c.length <= sched.chunk_size for c in out.prefill)
+    assert len(sched.running) <= sched.max_num_seqs
+    ids = [r.request_id for r in out.rows]
+    assert len(ids) == len(set(ids))
+    assert all(r.status is RequestStatus.RUNNING for r in sched.running)
+    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1 - len(sched.running)
+    holders = {r.request_id for r in sched.running}
+    assert sum(len(sched.allocator.pages(rid)) for rid in holders) == sched.allocator.num_used
+
+
+def make(num_pages=64, page_size=4, num_slots=9, *, budget=32, chunk=8, seqs=8, eos=(), mml=512):
+    return Scheduler(
+        PageAllocator(num_pages, page_size),
+        StatePool(num_slots),
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        chunk_size=chunk,
+        max_model_len=mml,
+        eos_token_ids=eos,
+    )
+
+
+def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps=5000, on_step=None):
+    """Add requests at their step, run to completion; return the step outputs."""
+    runner, outs, step = FakeRunner(sched), [], 0
+    while sched.has_unfinished() or any(s >= step for s in arrivals):
+        for r in arrivals.get(step, []):
+            sched.add(r)
+        out = sched.schedule()
+        check_invariants(sched, out)
+        sched.update(out, runner.step(out))
+        sched.allocator.check_invariants()
+        if on_step:
+            on_step(out)
+        outs.append(out)
+        step += 1
+        assert step < max_steps, "scheduler did not finish"
+    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+    assert not sched.running and not sched.waiting
+    return outs
+
+
+def requests(specs, eos_ids=()):
+    """specs: (prompt_len, max_tokens, seed) -> fresh Requests with distinct ids."""
+    out = []
+    for i, (n, m, seed) in enumerate(specs):
+        prompt = [(seed * 31 + 7 * j) % VOCAB for j in range(n)]
+        out.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=not eos_ids)))
+    return out
+
+
+SPECS = [(5, 9, 1), (23, 4, 2), (1, 12, 3), (40, 6, 4), (8, 1, 5), (17, 15, 6), (3, 3, 7)]
+
+
+def outputs(reqs):
+    return {r.request_id: (r.output_token_ids, r.finish_reason) for r in reqs}
+
+
+def test_batched_equals_alone_and_matches_model():
+    alone = {}
+    for r in requests(SPECS):
+        run(make(), {0: [r]})
+        alone[r.request_id] = (r.output_token_ids, r.finish_reason)
+        assert alone[r.request_id] == expected_output(r.prompt_token_ids, r.params)
+    for chunk, budget in [(1, 4), (3, 10), (8, 32), (64, 64), (5, 7)]:
+        reqs = requests(SPECS)
+        run(make(budget=budget, chunk=chunk), {0: reqs[:3], 2: reqs[3:5], 5: reqs[5:]})
+        assert outputs(reqs) == alone, (chunk, budget)
+
+
+def test_chunked_prefill_interleaves_with_decodes():
+    short, long = requests([(2, 20, 1), (50, 3, 2)])
+    seen = []
+
+    def on_step(out):
+        chunks = [c for c in out.prefill if c.request is long]
+        if chunks:
+            seen.append((chunks[0].start, chunks[0].length, [r.request_id for r in out.decode]))
+
+    run(make(budget=8, chunk=6), {0: [short], 2: [long]}, on_step=on_step)
+    starts = [s for s, _, _ in seen]
+    assert starts == sorted(starts) and len(seen) >= 50 // 6
+    assert all(length <= 6 for _, length, _ in seen)
+    assert sum(length for _, length, _ in seen) == 50
+    # The short request's decode runs in the same steps as the long prompt's chunks.
+    assert all(decodes == ["r0"] for _, _, decodes in seen)
+    assert [length for _, length, _ in seen][:2] == [6, 6]  # budget 8 - 1 decode leaves 7 > 6
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, long.params)[0]
+
+
+def test_budget_limits_chunk_below_chunk_size():
+    (r,) = requests([(20, 2, 3)])
+    outs = run(make(budget=5, chunk=8), {0: [r]})
+    assert [c.length for o in outs for c in o.prefill] == [5, 5, 5, 5]
+
+
+def test_forced_preemption_tiny_pool_same_outputs_and_all_freed():
+    specs = [(9, 14, 1), (6, 10, 2), (12, 8, 3), (4, 16, 4), (7, 7, 5)]
+    big = requests(specs)
+    run(make(num_pages=128), {0: big})
+    small = requests(specs)
+    preempted = []
+    # 8 usable pages of 4 tokens: each request alone fits (<= 6 pages), together they cannot.
+    outs = run(
+        make(num_pages=9, page_size=4, budget=16, chunk=4),
+        {0: small},
+        on_step=lambda o: preempted.extend(o.preempted),
+    )
+    assert preempted, "the tiny pool never forced a preemption"
+    assert sum(r.num_preemptions for r in small) == len(preempted)
+    assert outputs(small) == outputs(big)
+    # A preempted request is re-prefilled from 0 (prompt + outputs so far) into a fresh slot.
+    restarts = [c for o in outs for c in o.prefill if c.is_first and c.request.num_preemptions]
+    assert restarts
+
+
+def test_preempted_request_recomputes_outputs_so_far():
+    sched = make(num_pages=5, page_size=2, budget=8, chunk=8, seqs=2)
+    a, b = requests([(3, 5, 1), (3, 5, 2)])
+    run(sched, {0: [a, b]})
+    assert a.num_preemptions + b.num_preemptions > 0
+    for r in (a, b):
+        want = expected_output(r.prompt_token_ids, r.params)
+        assert (r.output_token_ids, r.finish_reason) == want
+
+
+def test_max_num_seqs_and_slots_limit_running():
+    reqs = requests([(3, 4, i) for i in range(6)])
+    sched = make(num_slots=3, seqs=8)
+    running = []
+    run(sched, {0: reqs}, on_step=lambda o: running.append(sched.num_running))
+    assert max(running) == 2
+    sched = make(seqs=3)
+    run(sched, {0: requests([(3, 4, i) for i in range(6)])})
+
+
+def test_stop_token_eos_ignore_eos_and_max_tokens():
+    prompt = [1, 2, 3]
+    free_run, _ = expected_output(prompt, SamplingParams(max_tokens=30))
+    stop = free_run[4]
+    k = free_run.index(stop)
+    params = {
+        "len": SamplingParams(max_tokens=3, ignore_eos=True),
+        "stop": SamplingParams(max_tokens=30, stop_token_ids=(stop,), ignore_eos=True),
+        "eos": SamplingParams(max_tokens=30),
+        "ign": SamplingParams(max_tokens=30, ignore_eos=True),
+    }
+    sched = make(eos=(stop,))
+    reqs = [Request(name, list(prompt), p) for name, p in params.items()]
+    run(sched, {0: reqs})
+    got = {r.request_id: (r.output_token_ids, r.finish_reason) for r in reqs}
+    assert got["len"] == (free_run[:3], "length")
+    assert got["stop"] == (free_run[: k + 1], "stop")
+    assert got["eos"] == (free_run[: k + 1], "stop")
+    assert got["ign"] == (free_run, "length")
+    assert sched.num_waiting == sched.num_running == 0
+
+
+def test_abort_waiting_running_and_mid_step():
+    sched = make(num_slots=2)
+    a, b, c = requests([(4, 10, 1), (4, 10, 2), (4, 10, 3)])
+    for r in (a, b, c):
+        sched.add(r)
+    runner = FakeRunner(sched)
+    out = sched.schedule()
+    assert [ch.request for ch in out.prefill] == [a] and sched.num_waiting == 2
+    sched.update(out, runner.step(out))
+    assert sched.abort("r1") is b and b.finish_reason == "abort" and b.is_finished
+    assert sched.num_waiting == 1
+    out = sched.schedule()
+    assert out.decode == [a] and len(a.output_token_ids) == 1
+    assert sched.abort("r0") is a  # aborted while its step is in flight
+    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.update(out, [5]) == [] and len(a.output_token_ids) == 1
+    assert a.finish_reason == "abort" and sched.abort("r0") is None and sched.abort("zz") is None
+    run(sched, {})
+    assert c.finish_reason == "length" and len(c.output_token_ids) == 10
+
+
+def test_update_accepts_dict_and_skips_non_sampling_rows():
+    sched = make(budget=4, chunk=4)
+    (r,) = requests([(6, 2, 1)])
+    sched.add(r)
+    out = sched.schedule()
+    assert out.prefill == [PrefillChunk(r, 0, 4)] and not out.prefill[0].samples
+    assert sched.update(out, {}) == [] and r.num_computed_tokens == 4
+    out = sched.schedule()
+    assert out.prefill[0].samples and out.prefill[0].token_ids == r.prompt_token_ids[4:]
+    with pytest.raises(ValueError, match="2 sampled entries for 1 rows"):
+        sched.update(out, [1, 2])
+    assert sched.update(out, {"r0": 11}) == [] and r.output_token_ids == [11]
+    out = sched.schedule()
+    assert out.decode == [r]
+    assert sched.update(out, {"r0": 12}) == [r] and r.finish_reason == "length"
+
+
+def test_validation_errors():
+    sched = make(num_pages=5, page_size=4, mml=100)  # 4 usable pages = 16 tokens
+    p = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        sched.add(Request("e", [], p))
+    with pytest.raises(ValueError, match=r"prompt length 98 \+ max_tokens 4.*max_model_len 100"):
+        sched.add(Request("m", [1] * 98, p))
+    with pytest.raises(ValueError, match="needs 5 pages.*holds only 4"):
+        sched.add(Request("c", [1] * 14, p))
+    sched.add(Request("ok", [1] * 13, p))  # 13 + 4 - 1 = 16 tokens: exactly the pool
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add(Request("ok", [1], p))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        make(chunk=0)
+    run(sched, {})
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 99), st.integers(0, 10)),
+        min_size=1,
+        max_size=8,
+    ),
+    page_size=st.integers(1, 4),
+    extra_pages=st.integers(0, 12),
+    num_slots=st.integers(2, 6),
+    seqs=st.integers(1, 6),
+    budget=st.integers(1, 24),
+    chunk=st.integers(1, 16),
+    use_eos=st.booleans(),
+)
+def test_random_workloads(specs, page_size, extra_pages, num_slots, seqs, budget, chunk, use_eos):
+    eos = (EOS,) if use_eos else ()
+    reqs = requests([(n, m, seed) for n, m, seed, _ in specs], eos_ids=eos)
+    alloc_probe = PageAllocator(2, page_size)
+    need = max(alloc_probe.pages_for(n + m - 1) for n, m, _, _ in specs)
+    sched = make(
+        need + 1 + extra_pages, page_size, num_slots, budget=budget, chunk=chunk, seqs=seqs, eos=eos
+    )
+    arrivals: dict[int, list[Request]] = {}
+    for r, (_, _, _, at) in zip(reqs, specs, strict=True):
+        arrivals.setdefault(at, []).append(r)
+    run(sched, arrivals, max_steps=3000)
+    for r in reqs:
+        assert (r.output_token_ids, r.finish_reason) == expected_output(
+            r.prompt_token_ids, r.params, eos
+        )
