@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from collections.abc import Callable
 
 import jax
@@ -34,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kimi_linear_jax.ops.mla import mla_paged_attention_reference
+from kimi_linear_jax.ops.mla import merge_stacked_partials, mla_paged_attention_reference
 
 try:  # jax >= 0.7 (0.10 and 0.11 included)
     from jax import shard_map as _shard_map
@@ -151,28 +150,6 @@ def dcp_metadata(mode: ForwardMode | str, ctx, num_draft: int, c: int) -> DcpMet
 
 
 # --------------------------------------------------------------------------- combine
-
-
-def merge_stacked_partials(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merge partials over disjoint key sets stacked on axis 0: o [c, ..., L], lse [c, ...].
-
-    M = max lse (0 where all are -inf); lse = M + log(sum exp(lse_r - M));
-    o = sum exp(lse_r - lse) o_r; rows empty on every rank give lse = -inf, o = 0.
-    """
-    # Unrolled over the (static, small) partial count: XLA:CPU reduces a stacked [c, B, 1, H, L]
-    # over axis 0 up to 10x slower than this sum of c fused terms (benchmarks/dcp_combine.py).
-    c = o.shape[0]
-    m = jnp.max(lse, axis=0)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = [jnp.exp(lse[r] - m) for r in range(c)]  # exp(-inf) = 0: empty slices drop out
-    total = functools.reduce(jnp.add, w)
-    safe = jnp.where(total > 0, total, 1.0)
-    lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-    terms = [
-        jnp.where((w[r] > 0)[..., None], (w[r] / safe)[..., None] * o[r], 0.0) for r in range(c)
-    ]
-    o_out = functools.reduce(jnp.add, terms)
-    return o_out, lse_out
 
 
 def combine_all_gather(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from kimi_linear_jax.ops.mla import merge_stacked_partials
+
 # Enough programs to fill an H200 (132 SMs) about twice when the batch alone cannot.
 _TARGET_PROGRAMS = 256
 # A split shorter than this many tokens costs more in partial writes than it gains in parallelism.
@@ -129,18 +131,6 @@ def _split_kernel(
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
     lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
-
-
-def _combine_splits(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merge split partials o [S, ..., L], lse [S, ...] by their lse; empty rows stay 0 / -inf."""
-    top = jnp.max(lse, axis=0)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top)  # [S, ...]; 0 for empty splits
-    total = jnp.sum(w, axis=0)
-    seen = total > 0
-    total_safe = jnp.where(seen, total, 1.0)
-    o = jnp.sum(w[..., None] * o, axis=0) / total_safe[..., None]
-    return o, jnp.where(seen, top + jnp.log(total_safe), -jnp.inf)
 
 
 def _fold_rows(q_lat, q_pe, kv_lens, rows_pad: int, dtype):
@@ -285,5 +275,5 @@ def mla_paged_attention(
         num_stages=num_stages,
         interpret=interpret,
     )
-    o, lse = _combine_splits(o_s[:, :, : T * H], lse_s[:, :, : T * H])
+    o, lse = merge_stacked_partials(o_s[:, :, : T * H], lse_s[:, :, : T * H])
     return o.reshape(B, T, H, L), lse.reshape(B, T, H)

@@ -191,6 +191,26 @@ def load_pretrained(path: str | os.PathLike, dtype="bfloat16") -> KimiLinearForC
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+# The built-in default model: the `small` preset's shapes with a byte-sized vocabulary, so
+# that what it samples decodes to (noisy) bytes rather than unused ids.
+DEFAULT_PRESET = "small"
+DEFAULT_VOCAB = 320
+
+
+def load_model_and_tokenizer(path: str | os.PathLike | None, dtype="float32"):
+    """(model, tokenizer or None) from a checkpoint dir, or for `path=None` the built-in
+    default model: seeded random weights and the byte-level tokenizer (its text is noise)."""
+    from kimi_linear_jax.config import preset
+    from kimi_linear_jax.model import init_model
+    from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+    if path is None:
+        cfg = preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
+        return init_model(cfg, seed=0, dtype=resolve_dtype(dtype)), ByteTokenizer(cfg.vocab_size)
+    model = load_pretrained(path, dtype=dtype)
+    return model, load_tokenizer(path, model.config.vocab_size)
+
+
 # ---- writing -----------------------------------------------------------------------------------
 def _tensors(model: KimiLinearForCausalLM):
     """(name, numpy array) pairs in checkpoint layout, one tensor at a time."""

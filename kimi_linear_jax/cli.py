@@ -7,28 +7,11 @@ import json
 import sys
 import time
 
-# The built-in default model: the `small` preset's shapes with a byte-sized vocabulary, so that
-# what it samples decodes to (noisy) bytes rather than unused ids.
-DEFAULT_PRESET = "small"
-DEFAULT_VOCAB = 320
-
 
 def _load(args):
-    """(model, tokenizer) from --model PATH, or the built-in default: the `small` preset with
-    seeded random weights and the byte-level tokenizer (its text is noise)."""
-    import jax.numpy as jnp
+    from kimi_linear_jax.checkpoint import load_model_and_tokenizer
 
-    from kimi_linear_jax.checkpoint import load_pretrained
-    from kimi_linear_jax.config import preset
-    from kimi_linear_jax.model import init_model
-    from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
-
-    if args.model is None:
-        cfg = preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
-        dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-        return init_model(cfg, seed=0, dtype=dtype), ByteTokenizer(cfg.vocab_size)
-    model = load_pretrained(args.model, dtype=args.dtype)
-    return model, load_tokenizer(args.model, model.config.vocab_size)
+    return load_model_and_tokenizer(args.model, args.dtype)
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:

@@ -19,17 +19,14 @@ import random
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
+from kimi_linear_jax.checkpoint import load_model_and_tokenizer
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from serving.allocator import PageAllocator
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, resolve_seed
 from serving.scheduler import Request, Scheduler
 from serving.state_pool import StatePool
-
-DEFAULT_PRESET = "small"
-DEFAULT_VOCAB = 320
 
 
 @dataclasses.dataclass
@@ -45,25 +42,11 @@ class RequestOutput:
 
 def _load_model(model, dtype: str, tokenizer):
     """(model, tokenizer) from None (built-in default), a path, or a model instance."""
-    from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
-
     if isinstance(model, KimiLinearForCausalLM):
         return model, tokenizer
-    if model is None:
-        from kimi_linear_jax.config import preset
-        from kimi_linear_jax.model import init_model
-
-        cfg = preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
-        dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-        built = init_model(cfg, seed=0, dtype=dt)
-        return built, tokenizer if tokenizer is not None else ByteTokenizer(cfg.vocab_size)
-    if isinstance(model, str | os.PathLike):
-        from kimi_linear_jax.checkpoint import load_pretrained
-
-        built = load_pretrained(model, dtype=dtype)
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model, built.config.vocab_size)
-        return built, tokenizer
+    if model is None or isinstance(model, str | os.PathLike):
+        built, found = load_model_and_tokenizer(model, dtype)
+        return built, tokenizer if tokenizer is not None else found
     raise TypeError(f"model must be None, a path or a KimiLinearForCausalLM, got {type(model)}")
 
 
