@@ -1,14 +1,16 @@
-"""Offline engine with vLLM's names: `LLM(...).generate(prompts, sampling_params)`.
+"""Offline engine with vLLM's names: `LLM(...).generate(prompts, sampling_params)`, `chat`,
+and the step API (`add_request`, `step`, `abort_request`) that a server loop drives.
 
-Each `generate` call adds its requests to a `Scheduler` (continuous batching, chunked prefill,
-preemption by recompute) and loops `schedule -> ModelRunner.run -> update` until all finish.
+Each request goes to a `Scheduler` (continuous batching, chunked prefill, preemption by
+recompute, fused decode steps); `step` runs `schedule -> ModelRunner.run -> update` once and
+applies the host-side rules: stop strings (the text is cut before the stop string, the token
+ids end with the token that completed it) and logprob bookkeeping.
 
-Invalid input: `generate` validates every prompt and its parameters before anything runs and
-raises ValueError naming the prompt's index and the problem (empty prompt, token id outside the
-vocabulary, text without a tokenizer, prompt + max_tokens past `max_model_len` or the page
-pool, a sampling parameter out of range). Nothing is queued when it raises.
-
-Not done yet: `SamplingParams.stop` strings and logprobs (fields accepted, ignored).
+Invalid input: `add_request` raises ValueError naming the field and the limit (empty prompt,
+token id outside the vocabulary, text without a tokenizer, prompt + max_tokens past
+`max_model_len` or the page pool, a sampling parameter out of range) and queues nothing. In
+`generate` / `chat` an invalid prompt fails alone: its output has finish_reason "error" and the
+message; the others run.
 """
 
 from __future__ import annotations
@@ -16,28 +18,56 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import time
 from collections.abc import Sequence
 
 import jax
+from tqdm.auto import tqdm
 
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer
 from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, resolve_seed
 from serving.scheduler import Request, Scheduler
 from serving.state_pool import StatePool
 
+# Counters of `LLM.metrics()` (besides the current-load gauges it adds).
+COUNTERS = (
+    "requests",
+    "finished",
+    "aborted",
+    "rejected",
+    "prompt_tokens",
+    "prefill_tokens",
+    "generation_tokens",
+    "steps",
+    "preemptions",
+)
+
 
 @dataclasses.dataclass
 class RequestOutput:
+    """A request's result (vLLM's names). `logprobs`, when asked for, has one dict per generated
+    token mapping token id -> logprob: the sampled token and the top `logprobs` tokens.
+    `finish_reason` is "stop", "length", "abort", "error" (then `error` says why) or None while
+    the request runs; `stop_reason` is the stop string or stop token id that ended it."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str | None
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 def _load_model(model, dtype: str, tokenizer):
@@ -50,7 +80,21 @@ def _load_model(model, dtype: str, tokenizer):
     raise TypeError(f"model must be None, a path or a KimiLinearForCausalLM, got {type(model)}")
 
 
+@dataclasses.dataclass
+class _Tracked:
+    """Engine-side bookkeeping of one request beside the scheduler's `Request`."""
+
+    request: Request
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+    text: str | None = None  # set when a stop string cut the text
+    stop_reason: str | int | None = None
+
+
 class LLM:
+    """Offline engine. `generate` / `chat` run batches to completion; `add_request`, `step`
+    and `abort_request` drive it one step at a time (the server's loop does)."""
+
     def __init__(
         self,
         model=None,
@@ -65,6 +109,7 @@ class LLM:
         dcp_size: int = 1,
         seed: int = 0,
         max_model_len: int | None = None,
+        num_scheduler_steps: int = 1,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
     ) -> None:
@@ -72,8 +117,15 @@ class LLM:
             raise ValueError(
                 f"dcp_size must be in [1, device count {jax.device_count()}], got {dcp_size}"
             )
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("num_scheduler_steps", num_scheduler_steps),
+            ("page_size", page_size),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer)
         self.config = self.model.config
         tokens_per_page = page_size * dcp_size
@@ -86,6 +138,7 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
+        self.num_scheduler_steps = num_scheduler_steps
         self.allocator = PageAllocator(num_pages, page_size, dcp_size)
         self.state_pool = StatePool(max_num_seqs + 1)
         self.runner = ModelRunner(
@@ -97,6 +150,7 @@ class LLM:
             max_pages_per_seq=self.allocator.pages_for(self.max_model_len),
             batch_buckets=batch_buckets,
             token_buckets=token_buckets,
+            num_decode_steps=num_scheduler_steps,
         )
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)
@@ -110,97 +164,260 @@ class LLM:
             chunk_size=chunk_size,
             max_model_len=self.max_model_len,
             eos_token_ids=eos,
+            num_decode_steps=num_scheduler_steps,
         )
         self._rng = random.Random(seed)
         self._next_id = 0
-        self._metrics = dict(
-            requests=0, prompt_tokens=0, generation_tokens=0, steps=0, preemptions=0
-        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._counters["step_seconds"] = 0.0
 
-    # ---- public API ------------------------------------------------------------------------
-
-    def metrics(self) -> dict[str, int]:
-        return dict(self._metrics)
+    # ---- public API: batches ---------------------------------------------------------------
 
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. Raises ValueError (naming the prompt's index)
-        before running anything if any prompt or its parameters are invalid."""
+        """Outputs in the order of `prompts`. An invalid prompt or parameter fails alone: its
+        output has finish_reason "error" and `error` naming the prompt's index and the
+        problem; the other prompts run."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
-        requests = [
-            self._make_request(i, p, sp)
-            for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
-        ]
-        for request in requests:
-            self.scheduler.add(request)  # validated above, so this cannot fail half-way
-        self._metrics["requests"] += len(requests)
-        self._metrics["prompt_tokens"] += sum(len(r.prompt_token_ids) for r in requests)
-        while self.scheduler.has_unfinished():
+        return self._generate(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations rendered by the tokenizer's chat template. `messages` is
+        one conversation (a list of {role, content} dicts) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        if not isinstance(messages, list) or not messages:
+            validate_messages(messages)  # raises with the reason
+        one = isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        prompts: list = []
+        for c in conversations:
+            try:
+                prompts.append(
+                    self.tokenizer.apply_chat_template(
+                        c, add_generation_prompt=add_generation_prompt
+                    )
+                )
+            except ValueError as e:
+                prompts.append(e)  # this conversation fails alone
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        return self._generate(prompts, list(sampling_params), use_tqdm)
+
+    def metrics(self) -> dict[str, int | float]:
+        """Counters since start-up plus the current load."""
+        out = dict(self._counters)
+        out.update(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            pages_total=self.allocator.capacity,
+            pages_used=self.allocator.num_used,
+            slots_total=self.state_pool.num_slots - 1,
+            slots_used=self.state_pool.num_slots - 1 - self.state_pool.num_free,
+        )
+        return out
+
+    # ---- public API: one step at a time ----------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request; return its id. Raises ValueError naming the field and
+        the limit for bad input; nothing is queued then."""
+        try:
+            request = self._make_request(prompt, params or SamplingParams(), request_id)
+            self.scheduler.add(request)
+        except ValueError:
+            self._counters["rejected"] += 1
+            raise
+        rid = request.request_id
+        wants = request.params.logprobs is not None
+        self._tracked[rid] = _Tracked(request, [] if wants else None, 0.0 if wants else None)
+        self._counters["requests"] += 1
+        self._counters["prompt_tokens"] += len(request.prompt_token_ids)
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its pages and slot; False if it is unknown or finished."""
+        if self.scheduler.abort(request_id) is None:
+            return False
+        self._counters["aborted"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step. Returns the output (cumulative so far) of every request that
+        got tokens or finished in it, including requests aborted since the last step."""
+        touched = [rid for rid, t in self._tracked.items() if t.request.is_finished]
+        if self.scheduler.has_unfinished():
+            t0 = time.perf_counter()
             output = self.scheduler.schedule()
             if output.is_empty:
                 raise RuntimeError("scheduler made no progress")
             sampled = self.runner.run(output, self.allocator, self.state_pool)
-            self.scheduler.update(output, sampled)
-            self._metrics["steps"] += 1
-            self._metrics["preemptions"] += len(output.preempted)
-            self._metrics["generation_tokens"] += len(sampled)
-        return [self._output(r) for r in requests]
+            before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
+            self.scheduler.update(output, {rid: [s.token for s in v] for rid, v in sampled.items()})
+            for rid, samples in sampled.items():
+                self._record(rid, samples, before[rid])
+            touched += [rid for rid in sampled if rid not in touched]
+            self._counters["steps"] += 1
+            self._counters["preemptions"] += len(output.preempted)
+            self._counters["prefill_tokens"] += sum(c.length for c in output.prefill)
+            self._counters["step_seconds"] += time.perf_counter() - t0
+        outputs = [self._output(self._tracked[rid]) for rid in touched]
+        for out in outputs:
+            if out.finished:
+                del self._tracked[out.request_id]
+                self._counters["finished"] += 1
+        return outputs
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
-        where = f"prompt {index}"
+    def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every valid prompt (an Exception entry is a prompt that already failed), run
+        them all to the end, and return one output per prompt."""
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        index: dict[str, int] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                if isinstance(prompt, Exception):
+                    raise prompt
+                index[self.add_request(prompt, params)] = i
+            except ValueError as e:
+                results[i] = self._error_output(prompt, f"prompt {i}: {e}")
+        self._run(index, results, use_tqdm)
+        return results
+
+    def _run(self, index: dict[str, int], results: list, use_tqdm: bool) -> None:
+        bar = tqdm(total=len(index), desc="Processed prompts", disable=not use_tqdm)
+        t0, tokens = time.perf_counter(), 0
+        try:
+            while index and self.scheduler.has_unfinished():
+                for out in self.step():
+                    i = index.get(out.request_id)
+                    if i is None or not out.finished:
+                        continue
+                    results[i] = out
+                    del index[out.request_id]
+                    tokens += len(out.token_ids)
+                    bar.update(1)
+                    bar.set_postfix(out_tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+        finally:
+            bar.close()
+
+    def _record(self, rid: str, samples: list, before: int) -> None:
+        """Keep the logprobs of the tokens the scheduler appended; cut at a stop string."""
+        tracked = self._tracked[rid]
+        request = tracked.request
+        appended = len(request.output_token_ids) - before
+        self._counters["generation_tokens"] += appended
+        if tracked.logprobs is not None:
+            for s in samples[:appended]:
+                tracked.logprobs.append({s.token: s.logprob, **dict(s.top)})
+                tracked.cumulative_logprob += s.logprob
+        token = request.output_token_ids[-1] if appended else None
+        if request.finish_reason == "stop" and token in request.params.stop_token_ids:
+            tracked.stop_reason = token
+        if request.params.stop and self.tokenizer is not None and appended:
+            self._check_stop_strings(tracked, before)
+
+    def _check_stop_strings(self, tracked: _Tracked, before: int) -> None:
+        """Host-side stop strings (vLLM: the text excludes the stop string; the token ids end
+        with the token that completed it)."""
+        request = tracked.request
+        ids = request.output_token_ids
+        for n in range(before + 1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:n])
+            hits = [(text.find(s), s) for s in request.params.stop if s in text]
+            if not hits:
+                continue
+            pos, stop = min(hits)
+            del ids[n:]
+            if tracked.logprobs is not None:
+                del tracked.logprobs[n:]
+                tracked.cumulative_logprob = sum(d[t] for d, t in zip(tracked.logprobs, ids))
+            tracked.text, tracked.stop_reason = text[:pos], stop
+            if self.scheduler.abort(request.request_id, "stop") is None:
+                request.finish_reason = "stop"  # it had just finished for another reason
+            return
+
+    def _make_request(self, prompt, params: SamplingParams, request_id: str | None) -> Request:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"{where}: sampling_params must be SamplingParams, got {params!r}")
+            raise ValueError(f"sampling_params must be SamplingParams, got {params!r:.80}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where}: a text prompt needs a tokenizer; pass token ids")
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError) as e:
-                raise ValueError(f"{where}: prompt must be a str or a list of ints") from e
+                raise ValueError("prompt must be a str or a list of ints") from e
         if not ids:
-            raise ValueError(f"{where}: prompt is empty")
+            raise ValueError("prompt is empty")
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        try:
-            params.validate(vocab)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.validate(vocab)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"{where}: prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
+                f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
                 f"max_model_len {self.max_model_len}"
             )
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(32))
         params = dataclasses.replace(params, seed=resolve_seed(params))
-        rid = str(self._next_id)
-        self._next_id += 1
-        return Request(rid, ids, params)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Request(request_id, ids, params)
 
-    def _output(self, request: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
+    def _error_output(self, prompt, message: str) -> RequestOutput:
+        ids = list(prompt) if isinstance(prompt, list | tuple) else []
+        return RequestOutput(
+            request_id="",
+            prompt_token_ids=ids,
+            text=None,
+            token_ids=[],
+            finish_reason="error",
+            error=message,
+        )
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        text = tracked.text
+        if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids)
         return RequestOutput(
             request_id=request.request_id,
@@ -208,4 +425,7 @@ class LLM:
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason,
+            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
+            cumulative_logprob=tracked.cumulative_logprob,
+            stop_reason=tracked.stop_reason,
         )

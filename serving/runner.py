@@ -10,21 +10,27 @@ bucket size so that a few compiled shapes serve any step:
   largest bucket: a multiple of it);
 - block tables to a fixed width, `max_pages_per_seq`, so their shape never varies.
 
-Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True`, then
-`decode_step` with T = 1). A first chunk (`start == 0`) zeroes its state slot first, since the
-slot may hold a previous owner's state.
+Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True`, then the
+decode scan). A first chunk (`start == 0`) zeroes its state slot first, since the slot may hold
+a previous owner's state.
 
-Sampling: an all-greedy batch is an argmax; otherwise `sampling.sample` with a `SamplingBatch`
-(seeded per request and decode step, so a draw does not depend on the batch). When a row asks
-for a repetition / presence / frequency penalty, the host builds the output-token counts and
-prompt masks [B, V] and `apply_penalties` runs first (greedy rows included, as in vLLM).
-Not done yet: logprobs (`sample` computes them; they are not returned).
+Decode is `num_decode_steps` steps fused in one `lax.scan` (each step feeds back the token it
+picked) when the scheduler asks for more than one (`SchedulerOutput.decode_steps`, decode-only
+steps), else one step; the same compiled scan serves both counts' shapes per bucket.
+
+Sampling runs on device in one of three static modes (`MODES`): an all-greedy batch is an
+argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
+so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /
+frequency penalty bring output-token counts and prompt masks [B, V] from the host; inside a
+fused scan the counts advance on device. Logprobs (the sampled token and the top
+`params.logprobs`) come back only for the rows that ask.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +39,9 @@ from flax import nnx
 
 from kimi_linear_jax.cache import Batch, init_cache
 from kimi_linear_jax.generation import dcp_mesh, shard_cache
-from kimi_linear_jax.model import decode_step, prefill_step
+from kimi_linear_jax.model import prefill_step
 from serving.allocator import NULL_PAGE, PageAllocator
-from serving.sampling import GREEDY_EPS, SamplingBatch, apply_penalties, sample
+from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
 from serving.state_pool import NULL_SLOT, StatePool, reset_slots
 
@@ -54,28 +60,110 @@ def _reset(cache, slots):
     return cache._replace(kda=reset_slots(cache.kda, slots))
 
 
-@jax.jit
-def _greedy(logits):
-    return jnp.argmax(logits.reshape(logits.shape[0], -1), axis=-1).astype(jnp.int32)
+class Sample(NamedTuple):
+    """One sampled token of a request; logprob and top are None when it did not ask."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
 
 
-@jax.jit
-def _sample(logits, sampling: SamplingBatch):
-    tokens, _, _ = sample(logits.reshape(logits.shape[0], -1), sampling, num_top_logprobs=1)
-    return tokens
+# How a batch picks its tokens (static, so each mode compiles once per bucket): "greedy" is a
+# bare argmax; "sample" runs `sample` (any temperature, truncation, logprobs); "penalized" also
+# applies the repetition / presence / frequency penalties first.
+MODES = ("greedy", "sample", "penalized")
 
 
-@jax.jit
-def _sample_penalized(logits, counts, prompt_mask, sampling: SamplingBatch):
-    logits = logits.reshape(logits.shape[0], -1).astype(jnp.float32)
-    logits = apply_penalties(logits, counts, prompt_mask, sampling)
-    tokens, _, _ = sample(logits, sampling, num_top_logprobs=1)
-    return tokens
+def _pick(logits, sampling, counts, prompt_mask, mode):
+    """(tokens [B], logprob [B], top ids [B, N], top values [B, N]) from logits [B, V]."""
+    logits = logits.astype(jnp.float32)
+    if mode == "greedy":
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        zero = jnp.zeros(logits.shape[:1], jnp.float32)
+        return tokens, zero, tokens[:, None], zero[:, None]
+    if mode == "penalized":
+        logits = apply_penalties(logits, counts, prompt_mask, sampling)
+    tokens, chosen, (top_ids, top_values) = sample(logits, sampling)
+    return tokens, chosen, top_ids, top_values
+
+
+_pick_jit = jax.jit(_pick, static_argnames=("mode",))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "num_steps", "mode", "mesh"), donate_argnames=("cache",)
+)
+def _decode_steps(
+    graphdef,
+    params,
+    ids,
+    cache,
+    batch,
+    steps_left,
+    sampling,
+    counts,
+    prompt_mask,
+    *,
+    num_steps,
+    mode,
+    mesh,
+):
+    """`num_steps` decode steps in one `lax.scan`, each feeding back the token it picked.
+
+    Row b runs its first `steps_left[b]` steps; later ones have length 0, which writes no KV
+    and commits no KDA state, so a row may stop early inside the scan. The sampling step (the
+    PRNG stream position) and the penalty counts advance per step exactly as in single steps,
+    so fused and unfused decoding draw the same tokens.
+    """
+    model = nnx.merge(graphdef, params)
+    rows = jnp.arange(ids.shape[0])
+
+    def step(carry, i):
+        token, cache, counts = carry
+        active = (i < steps_left).astype(jnp.int32)
+        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
+        logits, cache = model.decode(token[:, None], cache, b, mesh=mesh)
+        picked = _pick(
+            logits[:, 0], sampling._replace(step=sampling.step + i), counts, prompt_mask, mode
+        )
+        counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
+        return (picked[0], cache, counts), picked
+
+    (_, cache, _), picked = jax.lax.scan(step, (ids, cache, counts), jnp.arange(num_steps))
+    # [S, B, ...] -> [B, S, ...]
+    return tuple(jnp.swapaxes(x, 0, 1) for x in picked), cache
+
+
+def _mode(requests: Sequence[Request]) -> str:
+    if any(_has_penalty(r) for r in requests):
+        return "penalized"
+    if any(r.params.temperature >= GREEDY_EPS or r.params.logprobs is not None for r in requests):
+        return "sample"
+    return "greedy"
 
 
 def _has_penalty(request: Request) -> bool:
     p = request.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _samples(picked, requests: Sequence[Request | None], mode: str) -> list[list[Sample]]:
+    """Host-side [B, S] arrays -> per live row, its S samples (logprobs only where asked)."""
+    tokens, chosen, top_ids, top_values = (np.asarray(x) for x in picked)
+    out = []
+    for i, r in enumerate(requests):
+        if r is None:
+            continue
+        n = r.params.logprobs
+        row = []
+        for s in range(tokens.shape[1]):
+            if n is None or mode == "greedy":
+                row.append(Sample(int(tokens[i, s])))
+            else:
+                top = [(int(t), float(v)) for t, v in zip(top_ids[i, s, :n], top_values[i, s, :n])]
+                row.append(Sample(int(tokens[i, s]), float(chosen[i, s]), top))
+        out.append(row)
+    return out
 
 
 class ModelRunner:
@@ -90,9 +178,13 @@ class ModelRunner:
         max_pages_per_seq: int | None = None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
+        num_decode_steps: int = 1,
     ) -> None:
         if not batch_buckets or not token_buckets:
             raise ValueError("batch_buckets and token_buckets must not be empty")
+        if num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
+        self.num_decode_steps = num_decode_steps
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
         self.mesh = dcp_mesh(dcp_size)
@@ -136,47 +228,43 @@ class ModelRunner:
             np.zeros(b, np.int32),
         )
 
-    def _sampled(self, logits, requests: Sequence[Request | None], b: int) -> np.ndarray:
-        """Tokens [b] on device, then one transfer to host."""
-        live = [r for r in requests if r is not None]
-        penalized = any(_has_penalty(r) for r in live)
-        if not penalized and all(r.params.temperature < GREEDY_EPS for r in live):
-            tokens = _greedy(logits)
-        else:
-            # Rows that do not sample (non-final chunks) are given greedy params.
-            greedy = type(live[0].params)(temperature=0.0, seed=0)
-            params = [r.params if r is not None else greedy for r in requests]
-            steps = [len(r.output_token_ids) if r is not None else 0 for r in requests]
-            sampling = SamplingBatch.from_params(params, steps, b)
-            if penalized:
-                vocab = logits.shape[-1]
-                counts = np.zeros((b, vocab), np.int32)
-                prompt_mask = np.zeros((b, vocab), bool)
-                for i, r in enumerate(requests):
-                    if r is not None:
-                        np.add.at(counts[i], np.asarray(r.output_token_ids, np.int64), 1)
-                        prompt_mask[i, r.prompt_token_ids] = True
-                tokens = _sample_penalized(
-                    logits, jnp.asarray(counts), jnp.asarray(prompt_mask), sampling
-                )
-            else:
-                tokens = _sample(logits, sampling)
-        return np.asarray(jax.device_get(tokens))
+    def _sampling_inputs(self, requests: Sequence[Request | None], b: int, mode: str):
+        """SamplingBatch and penalty inputs for rows `requests` (None: a padding or non-sampling
+        row, given greedy params). Counts and prompt masks are [b, V] only in penalized mode."""
+        greedy = SamplingParams(temperature=0.0, seed=0)
+        params = [r.params if r is not None else greedy for r in requests]
+        steps = [len(r.output_token_ids) if r is not None else 0 for r in requests]
+        params += [greedy] * (b - len(params))
+        steps += [0] * (b - len(steps))
+        sampling = SamplingBatch.from_params(params, steps, b)
+        vocab = self.config.vocab_size if mode == "penalized" else 1
+        counts = np.zeros((b, vocab), np.int32)
+        prompt_mask = np.zeros((b, vocab), bool)
+        if mode == "penalized":
+            for i, r in enumerate(requests):
+                if r is not None:
+                    np.add.at(counts[i], np.asarray(r.output_token_ids, np.int64), 1)
+                    prompt_mask[i, r.prompt_token_ids] = True
+        return sampling, jnp.asarray(counts), jnp.asarray(prompt_mask)
 
     # ---- one step --------------------------------------------------------------------------
 
     def run(
-        self, output: SchedulerOutput, allocator: PageAllocator, state_pool: StatePool
-    ) -> dict[Hashable, int]:
-        """Run one scheduled step; return the sampled token of each row that samples."""
-        sampled: dict[Hashable, int] = {}
+        self,
+        output: SchedulerOutput,
+        allocator: PageAllocator,
+        state_pool: StatePool,
+    ) -> dict[Hashable, list[Sample]]:
+        """Run one scheduled step; return the samples of each row that samples (one for a
+        prefill's last chunk, up to `output.decode_steps[i]` for a decode)."""
+        sampled: dict[Hashable, list[Sample]] = {}
         if output.prefill:
             sampled.update(self._prefill(output, allocator, state_pool))
         if output.decode:
             sampled.update(self._decode(output, allocator, state_pool))
         return sampled
 
-    def _prefill(self, output, allocator, state_pool) -> dict[Hashable, int]:
+    def _prefill(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         chunks = output.prefill
         b = bucket(len(chunks), self.batch_buckets)
         t = bucket(max(c.length for c in chunks), self.token_buckets)
@@ -206,30 +294,46 @@ class ModelRunner:
             mesh=self.mesh,
         )
         rows = [c.request if c.samples else None for c in chunks]
-        rows += [None] * (b - len(rows))
-        tokens = self._sampled(logits, rows, b)
-        return {c.request.request_id: int(tokens[i]) for i, c in enumerate(chunks) if c.samples}
+        live = [r for r in rows if r is not None]
+        if not live:
+            return {}
+        mode = _mode(live)
+        picked = _pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
+        picked = jax.device_get(tuple(x[:, None] for x in picked))  # one transfer
+        return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
 
-    def _decode(self, output, allocator, state_pool) -> dict[Hashable, int]:
+    def _decode(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         requests = output.decode
         b = bucket(len(requests), self.batch_buckets)
         slots, table, start, lengths = self._arrays(b)
-        ids = np.zeros((b, 1), np.int32)
+        ids = np.zeros(b, np.int32)
+        steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
             rid = r.request_id
             slots[i] = state_pool.slot(rid)
             table[i] = self._table(allocator, rid)
             start[i] = r.num_computed_tokens
             lengths[i] = 1
-            ids[i, 0] = r.all_token_ids[r.num_tokens - 1]
-        logits, self.cache = decode_step(
+            ids[i] = r.all_token_ids[r.num_tokens - 1]
+            steps_left[i] = output.decode_steps[i]
+        # Two compiled step counts only: 1 and the configured fusion depth.
+        num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
+        mode = _mode(requests)
+        rows: list[Request | None] = list(requests)
+        picked, self.cache = _decode_steps(
             self.graphdef,
             self.params,
             jnp.asarray(ids),
             self.cache,
             self._batch(slots, table, start, lengths),
+            jnp.asarray(steps_left),
+            *self._sampling_inputs(rows, b, mode),
+            num_steps=num_steps,
+            mode=mode,
             mesh=self.mesh,
         )
-        rows: list[Request | None] = list(requests) + [None] * (b - len(requests))
-        tokens = self._sampled(logits, rows, b)
-        return {r.request_id: int(tokens[i]) for i, r in enumerate(requests)}
+        samples = _samples(jax.device_get(picked), rows, mode)  # one transfer
+        return {
+            r.request_id: row[: output.decode_steps[i]]
+            for i, (r, row) in enumerate(zip(requests, samples, strict=True))
+        }

@@ -118,6 +118,9 @@ class SchedulerOutput:
 
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
     decode: list[Request] = dataclasses.field(default_factory=list)
+    # Per decode row: fused decode steps to run (pages are allocated for them). All 1 when the
+    # step also has prefill chunks: fusion runs only in decode-only steps.
+    decode_steps: list[int] = dataclasses.field(default_factory=list)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
 
     @property
@@ -146,8 +149,10 @@ class Scheduler:
         chunk_size: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        num_decode_steps: int = 1,
     ) -> None:
         for name, value in (
+            ("num_decode_steps", num_decode_steps),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("chunk_size", chunk_size),
@@ -162,6 +167,7 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_decode_steps = num_decode_steps
         self.requests: dict[Hashable, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, by arrival
         self.running: list[Request] = []  # RUNNING, by arrival
@@ -221,12 +227,13 @@ class Scheduler:
                 f"{max_tokens}) but the page pool holds only {self.allocator.capacity}"
             )
 
-    def abort(self, request_id: Hashable) -> Request | None:
-        """Finish the request with reason "abort"; None if unknown or already finished."""
+    def abort(self, request_id: Hashable, reason: str = "abort") -> Request | None:
+        """Finish the request (pages and slot freed) with `reason`; None if unknown or already
+        finished. The engine also uses it for stop strings, found on the host."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, "abort")
+        self._finish(request, reason)
         return request
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -241,6 +248,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget, decodes=True)
         budget = self._schedule_running(out, budget, decodes=False)
         self._admit(out, budget)
+        if out.prefill:
+            out.decode_steps = [1] * len(out.decode)
         self._in_flight = not out.is_empty
         return out
 
@@ -253,14 +262,22 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if (request.num_uncomputed == 1) != decodes:
                 continue
-            length = self._grow(request, min(request.num_uncomputed, self.chunk_size, budget))
+            if decodes:
+                # Fused decode steps need KV room for each step; they never pass max_tokens.
+                remaining = request.params.max_tokens - len(request.output_token_ids)
+                want = max(1, min(self.num_decode_steps, remaining))
+            else:
+                want = min(request.num_uncomputed, self.chunk_size, budget)
+            length = self._grow(request, want)
             if length == 0:
                 continue  # it preempted itself
             self._scheduled_ids.add(rid)
-            budget -= length
             if decodes:
+                budget -= 1  # the budget counts rows of work, not the fused lookahead
                 out.decode.append(request)
+                out.decode_steps.append(length)
             else:
+                budget -= length
                 out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))
         return budget
 
@@ -329,12 +346,16 @@ class Scheduler:
     # ---- after a step --------------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, sampled: Mapping[Hashable, int] | Sequence[int | None]
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[Hashable, int | Sequence[int]] | Sequence[int | None],
     ) -> list[Request]:
         """Advance the step's requests and append their sampled tokens; return those finished.
 
-        `sampled` maps request id -> token, or is one entry per row of `output.rows` (entries
-        of rows that do not sample are ignored). Requests aborted mid-step are skipped.
+        `sampled` maps request id -> token (or the tokens of fused decode steps, in order), or
+        is one entry per row of `output.rows` (entries of rows that do not sample are ignored).
+        Tokens after one that finishes the request are dropped. Requests aborted mid-step are
+        skipped.
         """
         self._in_flight = False
         if not isinstance(sampled, Mapping):
@@ -349,9 +370,20 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens = end
-            if samples and self._append(request, sampled[request.request_id]):
+            if samples and self._append_all(request, sampled.get(request.request_id)):
                 finished.append(request)
         return finished
+
+    def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:
+        tokens = list(tokens) if isinstance(tokens, Sequence) else [tokens]
+        if not tokens:
+            tokens = [None]  # _append raises: a row that samples must get a token
+        for j, token in enumerate(tokens):
+            if j > 0:
+                request.num_computed_tokens += 1  # fused step j computed the previous token
+            if self._append(request, token):
+                return True
+        return False
 
     def _append(self, request: Request, token: int | None) -> bool:
         if token is None:

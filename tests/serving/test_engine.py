@@ -6,11 +6,21 @@ the same page pool) so that the jitted steps compile once and are reused across 
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_linear_jax.checkpoint import save_pretrained
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.generation import greedy_generate
+from kimi_linear_jax.model import forward
 from kimi_linear_jax.testing import random_model
+from kimi_linear_jax.tokenizer import ByteTokenizer
 from serving.engine import LLM, RequestOutput
 from serving.sampling import SamplingParams
 
@@ -108,24 +118,38 @@ def test_repetition_penalty(model):
 
 
 @pytest.mark.parametrize(
-    ("prompts", "params", "match"),
+    ("prompt", "params", "match"),
     [
-        ([[1, 2], []], GREEDY, "prompt 1: prompt is empty"),
-        ([[1, 2, 320]], GREEDY, "prompt 0: token id 320 is outside the vocabulary"),
-        ([[-1]], GREEDY, "token id -1 is outside"),
-        (["text"], GREEDY, "prompt 0: a text prompt needs a tokenizer"),
-        ([[1] * 50], SamplingParams(max_tokens=10), "exceeds max_model_len 56"),
-        ([[1]], SamplingParams(temperature=-1.0), "prompt 0: temperature must be >= 0"),
-        ([[1]], SamplingParams(max_tokens=0), "max_tokens must be > 0"),
-        ([[1], [2]], [GREEDY], "1 sampling_params for 2 prompts"),
+        ([], GREEDY, "prompt 1: prompt is empty"),
+        ([1, 2, 320], GREEDY, "prompt 1: token id 320 is outside the vocabulary"),
+        ([-1], GREEDY, "token id -1 is outside"),
+        ("text", GREEDY, "prompt 1: a text prompt needs a tokenizer"),
+        ([1] * 50, SamplingParams(max_tokens=10), "exceeds max_model_len 56"),
+        ([1], SamplingParams(temperature=-1.0), "prompt 1: temperature must be >= 0"),
+        ([1], SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens must be > 0"),
     ],
 )
-def test_bad_inputs_raise(model, prompts, params, match):
+def test_bad_request_fails_alone(model, reference, prompt, params, match):
     llm = make_llm(model)
-    with pytest.raises(ValueError, match=match):
-        llm.generate(prompts, params)
-    assert not llm.scheduler.has_unfinished()  # nothing was queued
-    assert llm.metrics()["requests"] == 0
+    prompts = [PROMPTS[0], prompt, *PROMPTS[1:]]
+    outs = llm.generate(prompts, [GREEDY, params, GREEDY, GREEDY], use_tqdm=False)
+    bad = outs.pop(1)
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert re.search(match, bad.error), bad.error
+    assert [o.token_ids for o in outs] == reference  # the others complete, unchanged
+    m = llm.metrics()
+    assert m["rejected"] == 1 and m["requests"] == 3
+    # The step API raises instead, and queues nothing.
+    with pytest.raises(ValueError, match=match.removeprefix("prompt 1: ")):
+        llm.add_request(prompt, params)
+    assert not llm.has_unfinished_requests()
+    assert_drained(llm)
+
+
+def test_sampling_params_count_mismatch(model):
+    with pytest.raises(ValueError, match="1 sampling_params for 2 prompts"):
+        make_llm(model).generate([[1], [2]], [GREEDY])
 
 
 def test_bad_dcp_size(model):
@@ -134,10 +158,142 @@ def test_bad_dcp_size(model):
 
 
 def test_text_prompt_with_tokenizer(model):
-    from kimi_linear_jax.tokenizer import ByteTokenizer
-
     tok = ByteTokenizer(model.config.vocab_size)
     llm = make_llm(model, tokenizer=tok)
     (out,) = llm.generate("hello", GREEDY)
     assert out.prompt_token_ids == list(b"hello")
     assert out.text == tok.decode(out.token_ids)
+
+
+# ---- fused decode steps ------------------------------------------------------------------------
+
+
+def test_fused_decode_matches_single_steps(model, reference):
+    llm = make_llm(model, num_scheduler_steps=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    # With preemption (the tiny pool) and the lookahead pages it allocates.
+    outs = llm.generate(PROMPTS + PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference + reference
+    assert_drained(llm)
+    # Seeded sampling and penalties draw the same tokens fused or not.
+    params = [
+        SamplingParams(temperature=1.0, seed=7, max_tokens=9, top_k=20),
+        SamplingParams(temperature=0.8, seed=8, max_tokens=7, frequency_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=3.0),
+    ]
+    fused = make_llm(model, num_scheduler_steps=4).generate(PROMPTS, params, use_tqdm=False)
+    single = make_llm(model).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in single]
+    assert [len(o.token_ids) for o in fused] == [9, 7, 5]
+
+
+# ---- logprobs, stop strings and stop tokens -----------------------------------------------------
+
+
+def test_logprobs_match_full_forward(model):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3)
+    outs = make_llm(model).generate(PROMPTS[:2], params, use_tqdm=False)
+    graphdef, state = nnx.split(model)
+    for prompt, out in zip(PROMPTS, outs, strict=False):
+        ids = prompt + out.token_ids
+        padded = np.zeros((1, 32), np.int32)  # causal: the right padding changes nothing
+        padded[0, : len(ids)] = ids
+        logp = np.asarray(jax.nn.log_softmax(forward(graphdef, state, jnp.asarray(padded))[0]))
+        assert len(out.logprobs) == len(out.token_ids) == 4
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            row = logp[len(prompt) - 1 + j]
+            assert set(entry) == {token, *np.argsort(-row)[:3].tolist()}
+            for t, value in entry.items():
+                assert abs(value - row[t]) < 1e-4
+        assert out.cumulative_logprob == pytest.approx(
+            sum(e[t] for e, t in zip(out.logprobs, out.token_ids, strict=True)), abs=1e-5
+        )
+    no_logprobs = make_llm(model).generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+    assert no_logprobs.logprobs is None
+
+
+def _first_prefix_with(tokenizer, ids, stop):
+    """Shortest prefix of ids whose text contains `stop` (the engine's rule, by brute force)."""
+    for n in range(1, len(ids) + 1):
+        if stop in tokenizer.decode(ids[:n]):
+            return n
+    raise AssertionError("stop string not in the text")
+
+
+@pytest.mark.parametrize("fused", [1, 4])
+def test_stop_string_cuts_text_and_tokens(model, fused):
+    tok = ByteTokenizer(model.config.vocab_size)
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (free,) = make_llm(model, tokenizer=tok).generate([PROMPTS[1]], plain, use_tqdm=False)
+    stop = free.text[-1]  # its first occurrence may be earlier: the expected cut handles it
+    n = _first_prefix_with(tok, free.token_ids, stop)
+    llm = make_llm(model, tokenizer=tok, num_scheduler_steps=fused)
+    params = dataclasses.replace(plain, stop=(stop, "never-generated"))
+    (out,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    assert out.token_ids == free.token_ids[:n]
+    assert out.text == tok.decode(free.token_ids[:n]).split(stop)[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert_drained(llm)
+
+
+def test_stop_token_ids(model, reference):
+    target = reference[1][2]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=(target,))
+    (out,) = make_llm(model).generate([PROMPTS[1]], params, use_tqdm=False)
+    assert out.token_ids == reference[1][: reference[1].index(target) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", target)
+
+
+# ---- step API, chat, transformers ------------------------------------------------------------
+
+
+def test_abort_mid_run_frees_and_others_finish(model, reference):
+    llm = make_llm(model)
+    rids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    llm.step()
+    llm.step()
+    assert llm.abort_request(rids[1]) and not llm.abort_request(rids[1])
+    assert llm.metrics()["slots_used"] == 2
+    final = {}
+    while llm.has_unfinished_requests():
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    assert final[rids[1]].finish_reason == "abort"
+    assert final[rids[0]].token_ids == reference[0]
+    assert final[rids[2]].token_ids == reference[2]
+    assert llm.metrics()["aborted"] == 1
+    assert_drained(llm)
+
+
+def test_chat_applies_the_template(model):
+    tok = ByteTokenizer(model.config.vocab_size)
+    llm = make_llm(model, tokenizer=tok)
+    messages = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    ids = tok.encode(tok.apply_chat_template(messages))
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == llm.generate([ids], GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="messages must be a non-empty list"):
+        llm.chat([], GREEDY)
+    # In a batch of conversations a bad one fails alone.
+    bad = [{"role": "nobody", "content": "x"}]
+    good, failed = llm.chat([messages, bad], GREEDY, use_tqdm=False)
+    assert good.token_ids == out.token_ids
+    assert failed.finish_reason == "error" and "prompt 1: messages[0]['role']" in failed.error
+
+
+def test_greedy_matches_transformers_generate(model, reference, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    save_pretrained(model, tmp_path)
+    ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    eos = list(model.config.eos_token_ids)
+    for prompt, ours in zip(PROMPTS, reference, strict=True):
+        with torch.no_grad():
+            out = ref.eval().generate(
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+            )
+        assert out[0, len(prompt) :].tolist() == ours

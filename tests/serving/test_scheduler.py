@@ -89,7 +89,9 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     assert sum(len(sched.allocator.pages(rid)) for rid in holders) == sched.allocator.num_used
 
 
-def make(num_pages=64, page_size=4, num_slots=9, *, budget=32, chunk=8, seqs=8, eos=(), mml=512):
+def make(
+    num_pages=64, page_size=4, num_slots=9, *, budget=32, chunk=8, seqs=8, eos=(), mml=512, fuse=1
+):
     return Scheduler(
         PageAllocator(num_pages, page_size),
         StatePool(num_slots),
@@ -98,6 +100,7 @@ def make(num_pages=64, page_size=4, num_slots=9, *, budget=32, chunk=8, seqs=8, 
         chunk_size=chunk,
         max_model_len=mml,
         eos_token_ids=eos,
+        num_decode_steps=fuse,
     )
 
 
@@ -328,3 +331,40 @@ def test_random_workloads(specs, page_size, extra_pages, num_slots, seqs, budget
         assert (r.output_token_ids, r.finish_reason) == expected_output(
             r.prompt_token_ids, r.params, eos
         )
+
+
+@pytest.mark.parametrize("eos", [(), (EOS,)])
+def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
+    """Decode-only steps fuse up to 4 steps (never past max_tokens); each fused position has a
+    page; tokens after a stop are dropped; outputs equal one step at a time."""
+    reqs = requests(SPECS, eos_ids=eos)
+    sched = make(num_pages=24, budget=16, fuse=4, eos=eos)
+    for r in reqs:
+        sched.add(r)
+    fused, tpp = [], sched.allocator.tokens_per_page
+    while sched.has_unfinished():
+        out = sched.schedule()
+        check_invariants(sched, out)
+        if out.prefill:
+            assert out.decode_steps == [1] * len(out.decode)
+        sampled = {
+            c.request.request_id: next_token(c.request.all_token_ids)
+            for c in out.prefill
+            if c.samples
+        }
+        for r, n in zip(out.decode, out.decode_steps, strict=True):
+            assert 1 <= n <= min(4, r.params.max_tokens - len(r.output_token_ids))
+            row = sched.allocator.block_table_row(r.request_id, 64)
+            seq, tokens = list(r.all_token_ids), []
+            for j in range(n):
+                assert row[(r.num_tokens - 1 + j) // tpp] != NULL_PAGE
+                tokens.append(next_token(seq))
+                seq.append(tokens[-1])
+            sampled[r.request_id] = tokens
+            fused.append(n)
+        sched.update(out, sampled)
+    assert max(fused) == 4
+    for r in reqs:
+        want = expected_output(r.prompt_token_ids, r.params, eos)
+        assert (r.output_token_ids, r.finish_reason) == want
+    assert sched.allocator.num_free == sched.allocator.capacity
