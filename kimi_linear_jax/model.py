@@ -77,6 +77,12 @@ class KimiLinearForCausalLM(nnx.Module):
     def dtype(self):
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Declared capability: the model has recurrent (KDA) layers, so a speculative verify
+        must commit their state at the accepted length. Serving decides this once."""
+        return any(block.kind == "kda" for block in self.model.layers)
+
     def _logits(self, x: jax.Array) -> jax.Array:
         logits = self.lm_head(self.model.norm(x))
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # f64 stays f64

@@ -25,12 +25,16 @@ import jax
 from tqdm.auto import tqdm
 
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer
+from kimi_linear_jax.generation import dcp_mesh
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, resolve_seed
 from serving.scheduler import Request, Scheduler
+from serving.speculative.config import SpeculativeConfig
+from serving.speculative.draft_model import DraftModelDrafter
+from serving.speculative.ngram import NgramDrafter
 from serving.state_pool import StatePool
 
 # Counters of `LLM.metrics()` (besides the current-load gauges it adds).
@@ -110,6 +114,8 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         num_scheduler_steps: int = 1,
+        speculative: dict | None = None,
+        drafter=None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
     ) -> None:
@@ -141,6 +147,11 @@ class LLM:
         self.num_scheduler_steps = num_scheduler_steps
         self.allocator = PageAllocator(num_pages, page_size, dcp_size)
         self.state_pool = StatePool(max_num_seqs + 1)
+        self.speculative = SpeculativeConfig.parse(speculative)
+        if drafter is not None and self.speculative is None:
+            raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
+        drafter = drafter or self._make_drafter(dtype)
+        k = self.speculative.num_draft_tokens if self.speculative else 0
         self.runner = ModelRunner(
             self.model,
             num_pages=num_pages,
@@ -151,6 +162,8 @@ class LLM:
             batch_buckets=batch_buckets,
             token_buckets=token_buckets,
             num_decode_steps=num_scheduler_steps,
+            drafter=drafter,
+            num_draft_tokens=k,
         )
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)
@@ -164,7 +177,9 @@ class LLM:
             chunk_size=chunk_size,
             max_model_len=self.max_model_len,
             eos_token_ids=eos,
-            num_decode_steps=num_scheduler_steps,
+            # Speculative rows reserve their whole window: the last token plus k drafts.
+            num_decode_steps=k + 1 if self.speculative else num_scheduler_steps,
+            speculative=self.speculative is not None,
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -226,8 +241,18 @@ class LLM:
         return self._generate(prompts, list(sampling_params), use_tqdm)
 
     def metrics(self) -> dict[str, int | float]:
-        """Counters since start-up plus the current load."""
+        """Counters since start-up plus the current load (and speculation, when on)."""
         out = dict(self._counters)
+        if self.speculative is not None:
+            spec = self.runner.spec_counts
+            rows = max(spec["verify_rows"], 1)
+            out.update(
+                spec_draft_tokens=spec["draft_tokens"],
+                spec_accepted_tokens=spec["accepted_tokens"],
+                spec_verify_steps=spec["verify_rows"],
+                # Tokens a request gains per verify (accepted drafts + the bonus token).
+                spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
+            )
         out.update(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
@@ -298,6 +323,26 @@ class LLM:
         return outputs
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _make_drafter(self, dtype: str):
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        draft, _ = _load_model(spec.model, dtype, None)
+        if draft.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"speculative draft model vocab_size {draft.config.vocab_size} != target "
+                f"vocab_size {self.config.vocab_size}"
+            )
+        return DraftModelDrafter(
+            draft,
+            num_pages=self.num_pages,
+            tokens_per_page=self.page_size * self.dcp_size,
+            num_slots=self.max_num_seqs + 1,
+            mesh=dcp_mesh(self.dcp_size),
+        )
 
     def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
         """Queue every valid prompt (an Exception entry is a prompt that already failed), run

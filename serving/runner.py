@@ -43,6 +43,7 @@ from kimi_linear_jax.model import prefill_step
 from serving.allocator import NULL_PAGE, PageAllocator
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
+from serving.speculative.verify import verify_step
 from serving.state_pool import NULL_SLOT, StatePool, reset_slots
 
 
@@ -179,12 +180,20 @@ class ModelRunner:
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
         num_decode_steps: int = 1,
+        drafter=None,
+        num_draft_tokens: int = 0,
     ) -> None:
         if not batch_buckets or not token_buckets:
             raise ValueError("batch_buckets and token_buckets must not be empty")
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
         self.num_decode_steps = num_decode_steps
+        # Speculative decoding: decode rows become verify windows. The recurrent commit is
+        # decided once, from the model's declared capability.
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.commit_recurrent = model.has_recurrent_state
+        self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
         self.mesh = dcp_mesh(dcp_size)
@@ -260,7 +269,9 @@ class ModelRunner:
         sampled: dict[Hashable, list[Sample]] = {}
         if output.prefill:
             sampled.update(self._prefill(output, allocator, state_pool))
-        if output.decode:
+        if output.decode and self.drafter is not None:
+            sampled.update(self._verify(output, allocator, state_pool))
+        elif output.decode:
             sampled.update(self._decode(output, allocator, state_pool))
         return sampled
 
@@ -283,16 +294,19 @@ class ModelRunner:
         if fresh.any():
             self.cache = _reset(self.cache, jnp.asarray(fresh))
         has_prefix = any(c.start > 0 for c in chunks)
+        ids, batch = jnp.asarray(ids), self._batch(slots, table, start, lengths)
         logits, self.cache = prefill_step(
             self.graphdef,
             self.params,
-            jnp.asarray(ids),
+            ids,
             self.cache,
-            self._batch(slots, table, start, lengths),
+            batch,
             has_prefix=has_prefix,
             last_only=True,
             mesh=self.mesh,
         )
+        if self.drafter is not None:
+            self.drafter.prefill(ids, batch, fresh, has_prefix)
         rows = [c.request if c.samples else None for c in chunks]
         live = [r for r in rows if r is not None]
         if not live:
@@ -335,5 +349,57 @@ class ModelRunner:
         samples = _samples(jax.device_get(picked), rows, mode)  # one transfer
         return {
             r.request_id: row[: output.decode_steps[i]]
+            for i, (r, row) in enumerate(zip(requests, samples, strict=True))
+        }
+
+    def _verify(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
+        """Speculative decode: drafts, then one verify window per row, accepted on device."""
+        requests = output.decode
+        b = bucket(len(requests), self.batch_buckets)
+        slots, table, start, lengths = self._arrays(b)
+        last = np.zeros(b, np.int32)
+        max_drafts = []
+        for i, r in enumerate(requests):
+            slots[i] = state_pool.slot(r.request_id)
+            table[i] = self._table(allocator, r.request_id)
+            start[i] = r.num_computed_tokens
+            lengths[i] = 1
+            last[i] = r.all_token_ids[-1]
+            # Penalised rows do not speculate: their counts would change inside the window.
+            max_drafts.append(0 if _has_penalty(r) else output.decode_steps[i] - 1)
+        batch = self._batch(slots, table, start, lengths)
+        k = self.num_draft_tokens
+        drafts, num = self.drafter.propose(requests, max_drafts, batch, k)
+        if isinstance(drafts, np.ndarray) and not num.any():
+            drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
+        mode = _mode(requests)
+        rows: list[Request | None] = list(requests)
+        no_track = jnp.full(b, -1, jnp.int32)
+        picked, self.cache = verify_step(
+            self.graphdef,
+            self.params,
+            jnp.asarray(last),
+            jnp.asarray(drafts),
+            jnp.asarray(num),
+            self.cache,
+            batch,
+            *self._sampling_inputs(rows, b, mode),
+            no_track,
+            no_track,
+            mode=mode,
+            mesh=self.mesh,
+            commit_recurrent=self.commit_recurrent,
+        )
+        tokens, commit_lens, *logprobs = picked
+        self.drafter.rollback(batch.slots, commit_lens)
+        host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
+        commit_lens = np.asarray(host[0])
+        samples = _samples(host[1:], rows, mode)
+        n = len(requests)
+        self.spec_counts["draft_tokens"] += int(np.asarray(num)[:n].sum())
+        self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
+        self.spec_counts["verify_rows"] += n
+        return {
+            r.request_id: row[: commit_lens[i]]
             for i, (r, row) in enumerate(zip(requests, samples, strict=True))
         }

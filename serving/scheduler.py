@@ -150,6 +150,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         num_decode_steps: int = 1,
+        speculative: bool = False,
     ) -> None:
         for name, value in (
             ("num_decode_steps", num_decode_steps),
@@ -168,6 +169,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_decode_steps = num_decode_steps
+        # Speculative: decode_steps is each row's verify window (1 + drafts), reserved before
+        # the verify; what was not accepted is released after it (`update`).
+        self.speculative = speculative
         self.requests: dict[Hashable, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, by arrival
         self.running: list[Request] = []  # RUNNING, by arrival
@@ -248,7 +252,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget, decodes=True)
         budget = self._schedule_running(out, budget, decodes=False)
         self._admit(out, budget)
-        if out.prefill:
+        if out.prefill and not self.speculative:
             out.decode_steps = [1] * len(out.decode)
         self._in_flight = not out.is_empty
         return out
@@ -372,6 +376,12 @@ class Scheduler:
             request.num_computed_tokens = end
             if samples and self._append_all(request, sampled.get(request.request_id)):
                 finished.append(request)
+        for request in output.decode:
+            if not request.is_finished:
+                # Unaccepted window slots: keep pages for the tokens so far (the last one's KV
+                # comes next step). Aligned to the allocator page, so the final free never
+                # meets a page twice.
+                self.allocator.release_tail(request.request_id, request.num_tokens)
         return finished
 
     def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:

@@ -1,0 +1,47 @@
+"""`LLM(speculative={...})`: which drafter, how many drafts, parsed and checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_draft_tokens: int
+    model: str | None = None  # draft checkpoint path (draft_model)
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, spec) -> SpeculativeConfig | None:
+        """From None, a SpeculativeConfig or a dict with vLLM-like keys; ValueError naming the
+        bad key otherwise."""
+        if spec is None or isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative must be a dict, got {type(spec).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown keys {unknown}; known: {sorted(known)}")
+        config = cls(**{"num_draft_tokens": 4, **spec})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(
+                f"speculative num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}"
+            )
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative method 'draft_model' needs 'model' (a path or model)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )

@@ -1,0 +1,113 @@
+"""Draft-model drafter: a smaller checkpoint with the same vocabulary, with its own caches.
+
+Its caches mirror the target's layout (same page ids, block tables and state slots), so the
+runner drives both with the same batches: the draft prefills each chunk the target prefills,
+proposes k tokens greedily with k + 1 fused decode steps (the extra step consumes d_k, so that
+the state after any accepted length exists), and after the verify rolls its KDA state and conv
+windows back to step `commit_lens - 1`, exactly like the target. Its KV past the accepted length
+is overwritten by the next window.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_linear_jax.cache import init_cache
+from kimi_linear_jax.generation import shard_cache
+from kimi_linear_jax.model import commit_kda, prefill_step
+from serving.speculative.drafter import Drafter
+from serving.state_pool import reset_slots
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "num_steps", "mesh"), donate_argnames=("cache",)
+)
+def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps, mesh=None):
+    """Greedy decode of `num_steps` steps from `last` [B]; row b runs steps_left[b] of them.
+    Returns (tokens [B, num_steps], per-step KDA states [B, num_steps, ...] per layer, cache)."""
+    model = nnx.merge(graphdef, params)
+
+    def step(carry, i):
+        token, cache = carry
+        active = (i < steps_left).astype(jnp.int32)
+        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
+        logits, cache, per_step = model.verify(token[:, None], cache, b, mesh=mesh)
+        cache = commit_kda(cache, per_step, b.slots, b.lengths)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return (token, cache), (token, per_step)
+
+    (_, cache), (tokens, per_step) = jax.lax.scan(step, (last, cache), jnp.arange(num_steps))
+    # Leaves [S, B, 1, ...] -> [B, S, ...], the layout `commit_kda` reads.
+    per_step = jax.tree.map(lambda x: jnp.swapaxes(x[:, :, 0], 0, 1), per_step)
+    return tokens.T, per_step, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _rollback(cache, per_step, slots, commit_lens):
+    return commit_kda(cache, per_step, slots, commit_lens)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _reset(cache, slots):
+    return cache._replace(kda=reset_slots(cache.kda, slots))
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model, *, num_pages, tokens_per_page, num_slots, mesh=None) -> None:
+        self.config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        cache = init_cache(
+            self.config,
+            num_slots=num_slots,
+            num_pages=num_pages,
+            page_size=tokens_per_page,
+            dtype=model.dtype,
+        )
+        self.cache = shard_cache(cache, mesh) if mesh is not None else cache
+        self._per_step = None
+
+    def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
+        if np.asarray(fresh_slots).any():
+            self.cache = _reset(self.cache, jnp.asarray(fresh_slots))
+        _, self.cache = prefill_step(
+            self.graphdef,
+            self.params,
+            ids,
+            self.cache,
+            batch,
+            has_prefix=has_prefix,
+            last_only=True,
+            mesh=self.mesh,
+        )
+
+    def propose(self, requests, max_drafts, batch, k: int):
+        b = int(batch.slots.shape[0])
+        last = np.zeros(b, np.int32)
+        num = np.zeros(b, np.int32)
+        steps = np.zeros(b, np.int32)  # padding rows run no step
+        for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
+            last[i] = request.all_token_ids[-1]
+            num[i] = n
+            steps[i] = n + 1
+        tokens, self._per_step, self.cache = draft_steps(
+            self.graphdef,
+            self.params,
+            jnp.asarray(last),
+            self.cache,
+            batch,
+            jnp.asarray(steps),
+            num_steps=k + 1,
+            mesh=self.mesh,
+        )
+        return tokens[:, :k], num
+
+    def rollback(self, slots, commit_lens) -> None:
+        if self._per_step is not None:
+            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens)
+            self._per_step = None

@@ -1,0 +1,151 @@
+"""The verify step: the target runs over each row's window `[last, d_1 .. d_n]` (chain layout),
+decides on device how many drafts it accepts, and commits the recurrent state at step
+`commit_lens - 1` of the window, all inside one jitted function (no host round trip).
+
+Acceptance:
+- greedy rows: the longest prefix of drafts equal to the target's argmax, plus the target's
+  token after it (the bonus or the correction);
+- sampled rows: rejection sampling against a one-hot draft distribution (every drafter here
+  proposes deterministically): draft d at position j is accepted with probability p_j(d), where
+  p_j is the distribution the sampler would draw from (temperature, top-k / top-p / min-p);
+  the first rejection draws from p_j with d removed and renormalised, and when every draft is
+  accepted the bonus is drawn from p_n. The output then has exactly the target distribution.
+
+`commit_lens = accepted + 1`. Order (also under DCP, where the logits are replicated so every
+rank takes the same decision): accept, then the KDA state and conv windows commit, then (on the
+host) the KV tail release.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_linear_jax.cache import KDAState, ModelCache
+from kimi_linear_jax.layers.kda import commit
+from kimi_linear_jax.model import commit_kda
+from serving.sampling import SamplingBatch, apply_penalties, row_keys, truncation_mask
+
+NUM_TOP_LOGPROBS = 20
+
+
+def target_probs(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """[N, V] the distribution `sample` draws from (temperature then truncation), vocab order."""
+    greedy = batch.temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
+    keep, order = truncation_mask(scaled, batch)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(probs, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def _per_position(batch: SamplingBatch, t: int) -> SamplingBatch:
+    """Row parameters repeated for each of t window positions, the PRNG step advancing."""
+    rep = jax.tree.map(lambda a: jnp.repeat(a, t), batch)
+    return rep._replace(step=rep.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), batch.step.size))
+
+
+def _leading_true(ok: jax.Array) -> jax.Array:
+    """Length of the all-True prefix of each row of ok [B, n]."""
+    return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)
+
+
+def accept(
+    logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, batch: SamplingBatch, *, sample
+) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B, T], accepted [B]) for logits [B, T, V] over windows with drafts [B, T - 1]
+    (row b uses its first num_drafts[b]). tokens[b, :accepted[b] + 1] is what the row emits."""
+    b, t, v = logits.shape
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    valid = jnp.arange(t - 1)[None, :] < num_drafts[:, None]
+    greedy_accepted = _leading_true((drafts == target[:, :-1]) & valid)
+    if not sample:
+        return target, greedy_accepted
+    flat = _per_position(batch, t)
+    probs = target_probs(logits.reshape(b * t, v), flat).reshape(b, t, v)
+    keys = row_keys(flat.seed, flat.step).reshape(b, t)
+    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0))))(keys)
+    p_draft = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    accepted = _leading_true((u[:, :-1] < p_draft) & valid)
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    p_m = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]
+    d_m = jnp.take_along_axis(padded, accepted[:, None], axis=1)[:, 0]
+    rejected = accepted < num_drafts
+    residual = jnp.where(rejected[:, None], p_m * (1.0 - jax.nn.one_hot(d_m, v)), p_m)
+    key_m = jnp.take_along_axis(keys, accepted[:, None], axis=1)[:, 0]
+    draw = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 1), jnp.log(r)))
+    bonus = draw(key_m, residual).astype(jnp.int32)
+    sampled = jnp.where(jnp.arange(t)[None, :] < accepted[:, None], padded, bonus[:, None])
+    greedy = (batch.temperature <= 0.0)[:, None]
+    return jnp.where(greedy, target, sampled), jnp.where(greedy[:, 0], greedy_accepted, accepted)
+
+
+def _track(cache: ModelCache, per_step, slots, track_slots, track_steps, commit_lens):
+    """Write the state after step track_steps[b] to slot track_slots[b] when that step was
+    accepted (0 <= ith < commit_lens); other rows write nothing."""
+    valid = (track_steps >= 0) & (track_steps < commit_lens)
+    kda = []
+    for state, steps in zip(cache.kda, per_step, strict=True):
+        n = state.S.shape[0]
+        rows = KDAState(*(a[slots] for a in state))
+        picked = commit(rows, steps, jnp.where(valid, track_steps + 1, 0))
+        dst = jnp.where(valid, track_slots, n)  # out of range: dropped
+        kda.append(
+            KDAState(
+                *(a.at[dst].set(p.astype(a.dtype), mode="drop") for a, p in zip(state, picked))
+            )
+        )
+    return ModelCache(tuple(kda), cache.mla)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "mode", "mesh", "commit_recurrent"),
+    donate_argnames=("cache",),
+)
+def verify_step(
+    graphdef,
+    params,
+    last,
+    drafts,
+    num_drafts,
+    cache,
+    batch,
+    sampling,
+    counts,
+    prompt_mask,
+    track_slots,
+    track_steps,
+    *,
+    mode,
+    mesh=None,
+    commit_recurrent=True,
+):
+    """One verify over rows [B] (padding rows: batch.lengths 0). Returns ((tokens [B, T],
+    commit_lens [B], logprob [B, T], top ids [B, T, N], top values [B, T, N]), cache); the
+    logprob outputs are zeros in greedy mode."""
+    if drafts.ndim != 2 or drafts.shape[0] != last.shape[0]:
+        raise ValueError(f"chain layout needs drafts [B, k], got {drafts.shape}")
+    model = nnx.merge(graphdef, params)
+    ids = jnp.concatenate([last[:, None], drafts], axis=1)
+    live = batch.lengths > 0
+    batch = batch._replace(lengths=jnp.where(live, num_drafts + 1, 0))
+    logits, cache, per_step = model.verify(ids, cache, batch, mesh=mesh)
+    logits = logits.astype(jnp.float32)
+    if mode == "penalized":  # penalised rows get no drafts: only position 0 matters
+        logits = logits.at[:, 0].set(apply_penalties(logits[:, 0], counts, prompt_mask, sampling))
+    tokens, accepted = accept(logits, drafts, num_drafts, sampling, sample=mode != "greedy")
+    commit_lens = jnp.where(live, accepted + 1, 0)
+    if commit_recurrent:
+        cache = commit_kda(cache, per_step, batch.slots, commit_lens)
+        cache = _track(cache, per_step, batch.slots, track_slots, track_steps, commit_lens)
+    if mode == "greedy":
+        zero = jnp.zeros(tokens.shape, jnp.float32)
+        return (tokens, commit_lens, zero, tokens[..., None], zero[..., None]), cache
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    top_values, top_ids = jax.lax.top_k(logp, min(NUM_TOP_LOGPROBS, logp.shape[-1]))
+    return (tokens, commit_lens, chosen, top_ids.astype(jnp.int32), top_values), cache

@@ -1,0 +1,337 @@
+"""Speculative decoding: greedy output equals plain greedy token for token with every drafter
+(oracle with injected errors, n-gram, a random draft model), the committed recurrent state
+equals plain decoding of the accepted tokens (and drifts without the commit), rejection sampling
+keeps the target distribution, pages come back, and the tracking-point index math.
+
+Engines share the shapes of test_engine.py so the jitted steps compile once per shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_linear_jax.cache import Batch, init_cache
+from kimi_linear_jax.config import preset
+from kimi_linear_jax.model import decode_step, prefill_step
+from kimi_linear_jax.testing import random_model
+from serving.engine import LLM
+from serving.sampling import SamplingBatch, SamplingParams
+from serving.speculative.ngram import ngram_lookup
+from serving.speculative.oracle import OracleDrafter
+from serving.speculative.track import (
+    TrackPoint,
+    can_track,
+    checkpoint_grid,
+    resolve_track_interval,
+    track_point,
+)
+from serving.speculative.verify import accept, target_probs, verify_step
+
+PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
+K = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SHAPES = dict(
+    num_pages=15,
+    page_size=4,
+    max_num_seqs=4,
+    batch_buckets=(4,),
+    token_buckets=(64,),
+    max_num_batched_tokens=64,
+    chunk_size=16,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def spec_llm(model, drafter=None, **kw):
+    spec = kw.pop("speculative", {"method": "ngram", "num_draft_tokens": K})
+    return LLM(model, speculative=spec, drafter=drafter, **{**SHAPES, **kw})
+
+
+def oracle(model, reference, wrong):
+    truth = {tuple(p): r for p, r in zip(PROMPTS, reference, strict=True)}
+    return OracleDrafter(truth, model.config.vocab_size, wrong)
+
+
+def assert_drained(llm):
+    assert llm.allocator.num_free == llm.allocator.capacity
+    llm.allocator.check_invariants()
+    assert llm.state_pool.num_free == llm.state_pool.num_slots - 1
+
+
+# ---- greedy with speculation == greedy without --------------------------------------------------
+
+
+def _error_at(e: int):
+    """A wrong draft at every output position p with p % K == e."""
+    return lambda p: p % K == e
+
+
+ERRORS = {
+    "all_accepted": lambda p: False,
+    "none_accepted": lambda p: True,
+    **{f"error_at_{e}": _error_at(e) for e in range(K)},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_oracle_greedy_equals_plain(model, reference, case):
+    llm = spec_llm(model, oracle(model, reference, ERRORS[case]))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > 0
+    if case == "all_accepted":
+        assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
+    if case == "none_accepted":
+        assert m["spec_accepted_tokens"] == 0
+    assert_drained(llm)
+
+
+def test_ngram_greedy_equals_plain(model, reference):
+    # A repetitive prompt so that prompt lookup proposes (and some drafts are accepted).
+    prompts = PROMPTS + [[5, 6, 7, 8] * 6]
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = spec_llm(model)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert llm.metrics()["spec_draft_tokens"] > 0
+    assert_drained(llm)
+
+
+def test_draft_model_greedy_equals_plain(model, reference):
+    # Random weights: drafts are almost always rejected, so the rollback runs every step.
+    draft = random_model(preset("tiny"), seed=5)
+    llm = spec_llm(
+        model, speculative={"method": "draft_model", "num_draft_tokens": 3, "model": draft}
+    )
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+    assert_drained(llm)
+    # The draft agreeing with the target (itself as draft) accepts everything it proposes.
+    same = spec_llm(
+        model, speculative={"method": "draft_model", "num_draft_tokens": 3, "model": model}
+    )
+    assert [o.token_ids for o in same.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = same.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+
+
+def test_dcp4_greedy_equals_plain(model, reference):
+    llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_2"]), dcp_size=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert_drained(llm)
+
+
+def test_without_commit_output_drifts(model, reference):
+    """The same run with the recurrent commit switched off gives other tokens: the tests above
+    would see drift."""
+    llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_1"]))
+    llm.runner.commit_recurrent = False
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] != reference
+
+
+def test_sampled_speculation_is_reproducible(model, reference):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    runs = [
+        [
+            o.token_ids
+            for o in spec_llm(model, oracle(model, reference, ERRORS["error_at_1"])).generate(
+                PROMPTS, params, use_tqdm=False
+            )
+        ]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
+
+
+# ---- the committed state equals plain decoding of the accepted tokens --------------------------
+
+
+def _setup(model):
+    graphdef, params = nnx.split(model)
+    cfg = model.config
+    cache = init_cache(cfg, num_slots=3, num_pages=8, page_size=16, dtype=model.dtype)
+    prompt = jnp.asarray([PROMPTS[1]], jnp.int32)
+    n = prompt.shape[1]
+    table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    batch = Batch(jnp.asarray([1]), table, jnp.asarray([0]), jnp.asarray([n]))
+    logits, cache = prefill_step(graphdef, params, prompt, cache, batch)
+    return graphdef, params, cache, table, n, int(jnp.argmax(logits[0]))
+
+
+def _plain(graphdef, params, cache, table, start, tokens):
+    """Decode `tokens` one at a time; return (argmax after each, cache)."""
+    out = []
+    for i, t in enumerate(tokens):
+        batch = Batch(jnp.asarray([1]), table, jnp.asarray([start + i]), jnp.asarray([1]))
+        logits, cache = decode_step(graphdef, params, jnp.asarray([[t]]), cache, batch)
+        out.append(int(jnp.argmax(logits[0, -1])))
+    return out, cache
+
+
+def _verify(graphdef, params, cache, table, start, last, drafts, *, commit=True, track=(-1, -1)):
+    batch = Batch(jnp.asarray([1]), table, jnp.asarray([start]), jnp.asarray([1]))
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0, seed=0)], [0], 1)
+    counts, mask = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), bool)
+    return verify_step(
+        graphdef,
+        params,
+        jnp.asarray([last]),
+        jnp.asarray([drafts], jnp.int32),
+        jnp.asarray([len(drafts)]),
+        cache,
+        batch,
+        sampling,
+        counts,
+        mask,
+        jnp.asarray([track[0]]),
+        jnp.asarray([track[1]]),
+        mode="greedy",
+        commit_recurrent=commit,
+    )
+
+
+def _copy(cache):
+    return jax.tree.map(jnp.copy, cache)
+
+
+@pytest.mark.parametrize("wrong_at", [0, 2, None])
+def test_committed_state_equals_plain_decoding(model, wrong_at):
+    graphdef, params, cache, table, n, first = _setup(model)
+    # The true greedy continuation after `first` (K drafts and the bonus), then drafts with one
+    # wrong token.
+    seq = [first]
+    plain_cache = _copy(cache)
+    for i in range(K + 1):
+        nxt, plain_cache = _plain(graphdef, params, plain_cache, table, n + i, [seq[-1]])
+        seq.append(nxt[0])
+    drafts = seq[1 : K + 1]
+    if wrong_at is not None:
+        drafts[wrong_at] = (drafts[wrong_at] + 1) % model.config.vocab_size
+    (tokens, commit_lens, *_), got = _verify(
+        graphdef, params, _copy(cache), table, n, first, drafts
+    )
+    accepted = K if wrong_at is None else wrong_at
+    assert int(commit_lens[0]) == accepted + 1
+    assert tokens[0, : accepted + 1].tolist() == seq[1 : accepted + 2]
+    _, want = _plain(graphdef, params, _copy(cache), table, n, seq[: accepted + 1])
+    for layer, (g, w) in enumerate(zip(got.kda, want.kda, strict=True)):
+        for name, a, b in zip(g._fields, g, w, strict=True):
+            np.testing.assert_allclose(a[1], b[1], rtol=1e-5, atol=1e-6, err_msg=f"{layer} {name}")
+    # Switched off, the slot keeps the end-of-window state: it differs from the accepted one.
+    if wrong_at is not None:
+        _, drift = _verify(graphdef, params, _copy(cache), table, n, first, drafts, commit=False)
+        differs = [not np.allclose(d.S[1], w.S[1], atol=1e-6) for d, w in zip(drift.kda, want.kda)]
+        assert all(differs)
+
+
+def test_track_slot_gets_the_state_at_the_point(model):
+    graphdef, params, cache, table, n, first = _setup(model)
+    seq, c = [first], _copy(cache)
+    for i in range(K):
+        nxt, c = _plain(graphdef, params, c, table, n + i, [seq[-1]])
+        seq.append(nxt[0])
+    ith = 1  # the state after window step 1, i.e. after n + 2 tokens
+    _, got = _verify(graphdef, params, _copy(cache), table, n, first, seq[1:], track=(2, ith))
+    _, want = _plain(graphdef, params, _copy(cache), table, n, seq[: ith + 1])
+    for g, w in zip(got.kda, want.kda, strict=True):
+        for a, b in zip(g, w, strict=True):
+            np.testing.assert_allclose(a[2], b[1], rtol=1e-5, atol=1e-6)
+    # A step past commit_lens is not tracked: slot 2 stays zero.
+    drafts = [seq[1] + 1] + seq[2:]  # rejects everything: commit_lens 1
+    _, got = _verify(graphdef, params, _copy(cache), table, n, first, drafts, track=(2, 1))
+    assert all(float(jnp.abs(g.S[2]).max()) == 0.0 for g in got.kda)
+
+
+# ---- rejection sampling keeps the target distribution -------------------------------------------
+
+CHI2_CRIT_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize(("draft", "top_k"), [(0, 0), (3, 0), (5, 3)])
+def test_rejection_sampling_keeps_target_distribution(draft, top_k):
+    v, b = 6, 20_000
+    logits = jnp.asarray([1.2, 0.3, -0.5, 0.9, 0.0, -1.0], jnp.float32)
+    params = SamplingParams(temperature=0.8, top_k=top_k, seed=0)
+    sampling = SamplingBatch.from_params([params] * b, [0] * b, b, seeds=range(b))
+    window = jnp.broadcast_to(logits, (b, 2, v))
+    tokens, accepted = accept(
+        window, jnp.full((b, 1), draft), jnp.ones(b, jnp.int32), sampling, sample=True
+    )
+    p = np.asarray(
+        target_probs(
+            logits[None],
+            sampling._replace(**{f: getattr(sampling, f)[:1] for f in sampling._fields}),
+        )[0],
+        np.float64,
+    )
+    counts = np.bincount(np.asarray(tokens[:, 0]), minlength=v)
+    support = p > 0
+    assert counts[~support].sum() == 0  # nothing outside top-k
+    expected = b * p[support]
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRIT_DF5_P001, (chi2, counts, expected)
+    # Acceptance rate of the draft is its target probability.
+    assert (
+        abs(float(accepted.mean()) - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / b) + 1e-9
+    )
+
+
+# ---- tracking points and the drafters' host logic -----------------------------------------------
+
+
+def test_track_point_index_math():
+    # Window from 30 to 35 tokens crosses 32: the state after 32 tokens is step 32 - 30 - 1 = 1.
+    assert track_point(30, 35, 16) == TrackPoint(True, 32, 1)
+    assert can_track(track_point(30, 35, 16), commit_lens=2)
+    assert not can_track(track_point(30, 35, 16), commit_lens=1)  # ith >= commit_lens
+    # No crossing.
+    assert not track_point(33, 40, 16).to_track
+    # Landing exactly on the multiple: the last step of the window.
+    assert track_point(28, 32, 16) == TrackPoint(True, 32, 3)
+    # Crossing two multiples: the later one is tracked.
+    assert track_point(14, 50, 16) == TrackPoint(True, 48, 33)
+    # Starting exactly on a multiple does not re-track it.
+    assert not track_point(32, 40, 16).to_track
+
+
+def test_track_interval_resolved_on_the_checkpoint_grid():
+    assert checkpoint_grid(16, 1) == 64 and checkpoint_grid(64, 8) == 512
+    assert checkpoint_grid(128, 1) == 128 and checkpoint_grid(16, 4) == 64
+    assert resolve_track_interval(None, 64, 4) == 256
+    assert resolve_track_interval(512, 64, 4) == 512
+    with pytest.raises(ValueError, match="multiple of the checkpoint grid 256"):
+        resolve_track_interval(320, 64, 4)
+
+
+def test_ngram_lookup():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 3, max_n=3) == [9, 1, 2]
+    assert ngram_lookup([1, 2, 3, 4], 2, max_n=2) == []
+    # The latest match wins; shorter n-grams are tried when longer ones miss.
+    assert ngram_lookup([5, 1, 7, 5, 1, 8, 0, 1], 2, max_n=2) == [8, 0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"method": "eagle"}, "method must be one of"),
+        ({"method": "ngram", "num_draft_tokens": 0}, r"num_draft_tokens must be in \[1, 16\]"),
+        ({"method": "draft_model"}, "needs 'model'"),
+        ({"method": "ngram", "k": 3}, r"unknown keys \['k'\]"),
+    ],
+)
+def test_bad_speculative_config(model, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model, speculative=spec, **SHAPES)
