@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import mla_decode  # noqa: E402
+import throughput  # noqa: E402
 
 
 def dcp_combine(argv: list[str]) -> None:
@@ -33,6 +34,8 @@ BENCHMARKS = {
     # On a CPU: the XLA reference over its reduced default grid (B 1 16, ctx 4096, T 1 4).
     "mla_decode": mla_decode.main,
     "dcp_combine": dcp_combine,
+    # Offline generation vs transformers' generate at B 1 8 32 (about 10 min on 2 cores).
+    "throughput": throughput.main,
 }
 
 
