@@ -8,6 +8,10 @@ another rank, or free it twice when the request's tail is released later.
 
 Page 0 is reserved as the null page: it is never handed out, and block-table rows of padding
 (and the unused tail of real rows) point at it, so padding never touches a real request's pages.
+
+Prefix caching: a page can belong to the prefix tree instead. A request then *borrows* it (it
+is in the request's page list, so in its block table, but `free` does not return it); the tree
+gets pages from a request by `adopt` and gives them back with `release_tree_page`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class PageAllocator:
         # Reversed so that pop() hands out low page ids first (easier to read in tests/dumps).
         self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))
         self._owned: dict[Hashable, list[int]] = {}
+        self._borrowed: dict[Hashable, set[int]] = {}  # tree pages in a request's list
+        self._tree: set[int] = set()  # pages the prefix tree holds
 
     @property
     def tokens_per_page(self) -> int:
@@ -83,6 +89,37 @@ class PageAllocator:
         pages.extend(self._free.pop() for _ in range(missing))
         return list(pages)
 
+    # ---- prefix tree ---------------------------------------------------------------------
+
+    @property
+    def num_tree_pages(self) -> int:
+        return len(self._tree)
+
+    def attach_prefix(self, request_id: Hashable, pages: list[int]) -> None:
+        """Start a request's page list with tree pages it borrows (a prefix-cache hit)."""
+        if request_id in self._owned:
+            raise ValueError(f"request {request_id!r} already holds pages")
+        if not set(pages) <= self._tree:
+            raise ValueError(f"pages {sorted(set(pages) - self._tree)} are not tree pages")
+        self._owned[request_id] = list(pages)
+        self._borrowed[request_id] = set(pages)
+
+    def adopt(self, request_id: Hashable, page: int) -> None:
+        """The tree takes one of the request's own pages; the request keeps using it."""
+        if page not in self._pages_of(request_id) or page in self._tree:
+            raise ValueError(f"page {page} is not an own page of request {request_id!r}")
+        self._tree.add(page)
+        self._borrowed.setdefault(request_id, set()).add(page)
+
+    def release_tree_page(self, page: int) -> None:
+        """The tree evicts a page no request borrows: it becomes free."""
+        if page not in self._tree:
+            raise ValueError(f"page {page} is not a tree page")
+        if any(page in b for b in self._borrowed.values()):
+            raise ValueError(f"page {page} is still borrowed by a request")
+        self._tree.remove(page)
+        self._free.append(page)
+
     def _pages_of(self, request_id: Hashable) -> list[int]:
         if request_id not in self._owned:
             raise KeyError(f"request {request_id!r} holds no pages (unknown or already freed)")
@@ -110,6 +147,8 @@ class PageAllocator:
         pages = self._pages_of(request_id)
         keep = self.pages_for(keep_tokens)
         tail = pages[keep:]
+        if set(tail) & self._borrowed.get(request_id, set()):
+            raise ValueError(f"release_tail would free tree pages of request {request_id!r}")
         del pages[keep:]
         self._free.extend(reversed(tail))
         return tail
@@ -118,11 +157,21 @@ class PageAllocator:
         """Free all pages of the request and forget it; a second free raises KeyError."""
         pages = self._pages_of(request_id)
         del self._owned[request_id]
-        self._free.extend(reversed(pages))
+        borrowed = self._borrowed.pop(request_id, set())
+        self._free.extend(p for p in reversed(pages) if p not in borrowed)
 
     def check_invariants(self) -> None:
-        """Every real page is free or owned by exactly one request; raises AssertionError."""
-        owned = [p for pages in self._owned.values() for p in pages]
+        """Every real page is free, held by the tree, or owned by exactly one request (tree pages
+        may also be borrowed); raises AssertionError."""
+        owned = [
+            p
+            for rid, pages in self._owned.items()
+            for p in pages
+            if p not in self._borrowed.get(rid, ())
+        ]
+        if not all(b <= self._tree for b in self._borrowed.values()):
+            raise AssertionError("a request borrows a page the tree does not hold")
+        owned += sorted(self._tree)
         if len(set(self._free)) != len(self._free):
             raise AssertionError(f"free list has duplicates: {sorted(self._free)}")
         if len(set(owned)) != len(owned):

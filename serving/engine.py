@@ -29,12 +29,14 @@ from kimi_linear_jax.generation import dcp_mesh
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
+from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, resolve_seed
 from serving.scheduler import Request, Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter
+from serving.speculative.track import resolve_track_interval
 from serving.state_pool import StatePool
 
 # Counters of `LLM.metrics()` (besides the current-load gauges it adds).
@@ -116,6 +118,9 @@ class LLM:
         num_scheduler_steps: int = 1,
         speculative: dict | None = None,
         drafter=None,
+        enable_prefix_caching: bool = True,
+        num_checkpoint_slots: int | None = None,
+        track_interval: int | None = None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
     ) -> None:
@@ -147,16 +152,27 @@ class LLM:
         self.num_scheduler_steps = num_scheduler_steps
         self.allocator = PageAllocator(num_pages, page_size, dcp_size)
         self.state_pool = StatePool(max_num_seqs + 1)
+        # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
+        # a restore or snapshot is one on-device copy. The track interval is resolved once,
+        # here, on the checkpoint grid, for the scheduler's decode snapshots and the verify.
+        n_ckpt = 2 * max_num_seqs if num_checkpoint_slots is None else num_checkpoint_slots
+        self.track_interval = resolve_track_interval(track_interval, page_size, dcp_size)
+        self.prefix_cache = None
+        if enable_prefix_caching and n_ckpt > 0:
+            first = max_num_seqs + 1
+            self.prefix_cache = PrefixCache(self.allocator, range(first, first + n_ckpt))
+        num_slots = max_num_seqs + 1 + (n_ckpt if self.prefix_cache else 0)
         self.speculative = SpeculativeConfig.parse(speculative)
         if drafter is not None and self.speculative is None:
             raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
+        self.runner_slots = num_slots
         drafter = drafter or self._make_drafter(dtype)
         k = self.speculative.num_draft_tokens if self.speculative else 0
         self.runner = ModelRunner(
             self.model,
             num_pages=num_pages,
             page_size=page_size,
-            num_slots=max_num_seqs + 1,
+            num_slots=num_slots,
             dcp_size=dcp_size,
             max_pages_per_seq=self.allocator.pages_for(self.max_model_len),
             batch_buckets=batch_buckets,
@@ -180,6 +196,8 @@ class LLM:
             # Speculative rows reserve their whole window: the last token plus k drafts.
             num_decode_steps=k + 1 if self.speculative else num_scheduler_steps,
             speculative=self.speculative is not None,
+            prefix_cache=self.prefix_cache,
+            track_interval=self.track_interval,
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -253,6 +271,12 @@ class LLM:
                 # Tokens a request gains per verify (accepted drafts + the bonus token).
                 spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
             )
+        if self.prefix_cache is not None:
+            stats = self.prefix_cache.stats
+            out.update({f"prefix_cache_{k}": v for k, v in stats.items()})
+            out["prefix_cache_hit_rate"] = stats["hit_tokens"] / max(stats["query_tokens"], 1)
+            out["prefix_cache_pages"] = self.allocator.num_tree_pages
+            out["prefix_cache_free_checkpoints"] = self.prefix_cache.num_free_slots
         out.update(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
@@ -292,6 +316,13 @@ class LLM:
             return False
         self._counters["aborted"] += 1
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every prefix-cache entry no running request uses; True if the tree is empty."""
+        if self.prefix_cache is None:
+            return True
+        self.prefix_cache.clear()
+        return self.allocator.num_tree_pages == 0
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -340,7 +371,7 @@ class LLM:
             draft,
             num_pages=self.num_pages,
             tokens_per_page=self.page_size * self.dcp_size,
-            num_slots=self.max_num_seqs + 1,
+            num_slots=self.runner_slots,
             mesh=dcp_mesh(self.dcp_size),
         )
 
@@ -473,4 +504,5 @@ class LLM:
             logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
             cumulative_logprob=tracked.cumulative_logprob,
             stop_reason=tracked.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
         )

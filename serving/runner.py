@@ -44,7 +44,7 @@ from serving.allocator import NULL_PAGE, PageAllocator
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
 from serving.speculative.verify import verify_step
-from serving.state_pool import NULL_SLOT, StatePool, reset_slots
+from serving.state_pool import NULL_SLOT, StatePool, copy_slots, reset_slots
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -267,13 +267,25 @@ class ModelRunner:
         """Run one scheduled step; return the samples of each row that samples (one for a
         prefill's last chunk, up to `output.decode_steps[i]` for a decode)."""
         sampled: dict[Hashable, list[Sample]] = {}
+        # Prefix-cache hits: the checkpoint is copied into the request's slot before its chunk.
+        self._copy([(src, state_pool.slot(rid)) for src, rid in output.restores])
         if output.prefill:
             sampled.update(self._prefill(output, allocator, state_pool))
         if output.decode and self.drafter is not None:
             sampled.update(self._verify(output, allocator, state_pool))
         elif output.decode:
             sampled.update(self._decode(output, allocator, state_pool))
+        # Donations: the request's slot now holds the state at the snapshot depth.
+        self._copy([(state_pool.slot(rid), dst) for rid, dst, _ in output.snapshots])
         return sampled
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        width = self.batch_buckets[-1]
+        self.cache = copy_slots(self.cache, pairs, width)
+        if self.drafter is not None:
+            self.drafter.copy_slots(pairs, width)
 
     def _prefill(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         chunks = output.prefill
@@ -374,7 +386,11 @@ class ModelRunner:
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
-        no_track = jnp.full(b, -1, jnp.int32)
+        track_slots = np.full(b, -1, np.int32)
+        track_steps = np.full(b, -1, np.int32)
+        for i, r in enumerate(requests):
+            if r.request_id in output.track:
+                track_slots[i], track_steps[i], _ = output.track[r.request_id]
         picked, self.cache = verify_step(
             self.graphdef,
             self.params,
@@ -384,8 +400,8 @@ class ModelRunner:
             self.cache,
             batch,
             *self._sampling_inputs(rows, b, mode),
-            no_track,
-            no_track,
+            jnp.asarray(track_slots),
+            jnp.asarray(track_steps),
             mode=mode,
             mesh=self.mesh,
             commit_recurrent=self.commit_recurrent,

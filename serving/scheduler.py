@@ -35,8 +35,12 @@ import enum
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from serving.prefix_cache import branching_depth, checkpoint_depth
+from serving.speculative.track import track_point
+
 if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their host methods
     from serving.allocator import PageAllocator
+    from serving.prefix_cache import Hit, PrefixCache
     from serving.sampling import SamplingParams
     from serving.state_pool import StatePool
 
@@ -62,6 +66,10 @@ class Request:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     arrival: int = -1  # set by Scheduler.add
     num_preemptions: int = 0
+    # Prefix caching: tokens skipped by the last admission's hit, and the depths where this
+    # prefill donates a recurrent-state checkpoint (a chunk ends at each).
+    num_cached_tokens: int = 0
+    donate_depths: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +130,13 @@ class SchedulerOutput:
     # step also has prefill chunks: fusion runs only in decode-only steps.
     decode_steps: list[int] = dataclasses.field(default_factory=list)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
+    # Prefix caching. Before the step: copy checkpoint slot -> request's slot (a hit). After the
+    # step: copy request's slot -> checkpoint slot (a donation; `update` inserts the tree node).
+    restores: list[tuple[int, Hashable]] = dataclasses.field(default_factory=list)
+    snapshots: list[tuple[Hashable, int, int]] = dataclasses.field(default_factory=list)
+    # Speculative rows whose window crosses a track point: request id -> (slot, ith, point).
+    track: dict[Hashable, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    hits: list = dataclasses.field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -151,6 +166,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         num_decode_steps: int = 1,
         speculative: bool = False,
+        prefix_cache: PrefixCache | None = None,
+        track_interval: int | None = None,
     ) -> None:
         for name, value in (
             ("num_decode_steps", num_decode_steps),
@@ -172,6 +189,8 @@ class Scheduler:
         # Speculative: decode_steps is each row's verify window (1 + drafts), reserved before
         # the verify; what was not accepted is released after it (`update`).
         self.speculative = speculative
+        self.prefix_cache = prefix_cache
+        self.track_interval = track_interval if prefix_cache is not None else None
         self.requests: dict[Hashable, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []  # WAITING and PREEMPTED, by arrival
         self.running: list[Request] = []  # RUNNING, by arrival
@@ -269,9 +288,10 @@ class Scheduler:
             if decodes:
                 # Fused decode steps need KV room for each step; they never pass max_tokens.
                 remaining = request.params.max_tokens - len(request.output_token_ids)
-                want = max(1, min(self.num_decode_steps, remaining))
+                want = self._cut_at_track(request, max(1, min(self.num_decode_steps, remaining)))
             else:
                 want = min(request.num_uncomputed, self.chunk_size, budget)
+                want = self._cut_at_donation(request, want)
             length = self._grow(request, want)
             if length == 0:
                 continue  # it preempted itself
@@ -280,9 +300,11 @@ class Scheduler:
                 budget -= 1  # the budget counts rows of work, not the fused lookahead
                 out.decode.append(request)
                 out.decode_steps.append(length)
+                self._plan_track(out, request, length)
             else:
                 budget -= length
                 out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))
+                self._plan_donation(out, request, request.num_computed_tokens + length)
         return budget
 
     def _grow(self, request: Request, length: int) -> int:
@@ -290,6 +312,7 @@ class Scheduler:
         request had to preempt itself."""
         rid = request.request_id
         start = request.num_computed_tokens
+        self._make_room(rid, start + length)
         while True:
             fit = self._fit(request)
             if fit >= 1:
@@ -300,6 +323,22 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return 0
+
+    def _make_room(self, request_id: Hashable, num_tokens: int) -> None:
+        """Evict unlocked prefix-tree pages so the request's pages can hold num_tokens."""
+        if self.prefix_cache is None:
+            return
+        have = len(self.allocator.pages(request_id)) if self._holds_pages(request_id) else 0
+        missing = self.allocator.pages_for(num_tokens) - have - self.allocator.num_free
+        if missing > 0:
+            self.prefix_cache.evict_pages(missing)
+
+    def _holds_pages(self, request_id: Hashable) -> bool:
+        try:
+            self.allocator.pages(request_id)
+        except KeyError:
+            return False
+        return True
 
     def _fit(self, request: Request) -> int:
         """Most new tokens the request's pages plus the free pages can hold."""
@@ -321,7 +360,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute policy: drop pages and slot, keep the tokens, re-prefill from scratch."""
         rid = request.request_id
-        self.allocator.free(rid)
+        self._release_pages(rid)
         self.state_pool.release(rid)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
@@ -330,22 +369,110 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.arrival)
         self._preempted_now.append(rid)
 
+    def _release_pages(self, request_id: Hashable) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request_id)  # unlock borrowed tree pages first
+        self.allocator.free(request_id)
+
+    # ---- prefix caching hooks --------------------------------------------------------------
+
+    def _cut_at_donation(self, request: Request, length: int) -> int:
+        """End the chunk at the next donation depth, so the slot holds the state there."""
+        start = request.num_computed_tokens
+        for depth in request.donate_depths:
+            if start < depth < start + length:
+                return depth - start
+        return length
+
+    def _plan_donation(self, out: SchedulerOutput, request: Request, end: int) -> None:
+        if self.prefix_cache is None or end not in request.donate_depths:
+            return
+        slot = self.prefix_cache.acquire_slot()
+        if slot is not None:
+            out.snapshots.append((request.request_id, slot, end))
+
+    def _cut_at_track(self, request: Request, steps: int) -> int:
+        """Plain decode: end the fused steps on a track point (the state there is then in the
+        slot after the step). Speculative windows track inside the verify instead."""
+        interval = self.track_interval
+        if interval is None or self.speculative:
+            return steps
+        start = request.num_computed_tokens
+        point = (start // interval + 1) * interval
+        return min(steps, point - start)
+
+    def _plan_track(self, out: SchedulerOutput, request: Request, steps: int) -> None:
+        interval = self.track_interval
+        if interval is None:
+            return
+        start = request.num_computed_tokens
+        if not self.speculative:
+            if (start + steps) % interval == 0:
+                self._plan_donation_at(out, request, start + steps)
+            return
+        tp = track_point(start, start + steps, interval)
+        if tp.to_track:
+            slot = self.prefix_cache.acquire_slot()
+            if slot is not None:
+                out.track[request.request_id] = (slot, tp.ith, tp.point)
+
+    def _plan_donation_at(self, out: SchedulerOutput, request: Request, depth: int) -> None:
+        slot = self.prefix_cache.acquire_slot()
+        if slot is not None:
+            out.snapshots.append((request.request_id, slot, depth))
+
+    def _lookup(self, request: Request) -> Hit | None:
+        """A prefix hit for a request about to start from token 0 (None: no cache or miss)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        hit = cache.lookup(request.all_token_ids)
+        n = request.num_tokens
+        depths = {checkpoint_depth(hit.depth, n - hit.depth, cache.state_chunk, cache.tree_page)}
+        if hit.kv_depth > hit.depth:
+            depths.add(branching_depth(hit.kv_depth, cache.state_chunk, cache.tree_page))
+        request.donate_depths = tuple(sorted(d for d in depths if d and d > hit.depth))
+        return hit if hit.depth > 0 else None
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             if len(self.running) >= self.max_num_seqs or self.state_pool.num_free == 0:
                 return
             request = self.waiting[0]
-            rid = request.request_id
-            length = min(request.num_tokens, self.chunk_size, budget)
-            if not self.allocator.can_allocate(rid, length):
+            if not self._admit_one(out, request, budget):
                 return  # first come, first served: nobody overtakes the head
-            self.waiting.pop(0)
-            self.allocator.allocate(rid, length)
-            self.state_pool.acquire(rid)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival)
-            budget -= length
-            out.prefill.append(PrefillChunk(request, 0, length))
+            budget -= out.prefill[-1].length
+
+    def _admit_one(self, out: SchedulerOutput, request: Request, budget: int) -> bool:
+        rid = request.request_id
+        hit = self._lookup(request)
+        start = hit.depth if hit else 0
+        request.num_computed_tokens = start
+        length = self._cut_at_donation(
+            request, min(request.num_tokens - start, self.chunk_size, budget)
+        )
+        if hit:
+            self.prefix_cache.borrow(rid, hit)
+        self._make_room(rid, start + length)
+        if not self.allocator.can_allocate(rid, start + length):
+            if hit:
+                self.prefix_cache.release(rid)
+                self.allocator.free(rid)
+                self.prefix_cache.end_step([hit])
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.pop(0)
+        self.allocator.allocate(rid, start + length)
+        self.state_pool.acquire(rid)
+        if hit:
+            out.restores.append((hit.checkpoint, rid))
+            out.hits.append(hit)
+        request.num_cached_tokens = start
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.arrival)
+        out.prefill.append(PrefillChunk(request, start, length))
+        self._plan_donation(out, request, start + length)
+        return True
 
     # ---- after a step --------------------------------------------------------------------
 
@@ -367,6 +494,7 @@ class Scheduler:
             if len(sampled) != len(rows):
                 raise ValueError(f"{len(sampled)} sampled entries for {len(rows)} rows")
             sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
+        self._donate(output, sampled)
         finished: list[Request] = []
         steps = [(c.request, c.end, c.samples) for c in output.prefill]
         steps += [(r, r.num_tokens, True) for r in output.decode]
@@ -383,6 +511,35 @@ class Scheduler:
                 # meets a page twice.
                 self.allocator.release_tail(request.request_id, request.num_tokens)
         return finished
+
+    def _donate(self, output: SchedulerOutput, sampled) -> None:
+        """Insert the step's snapshots into the tree (before any request of the step finishes
+        and frees its pages). A verify's track snapshot counts only if its step was accepted."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+
+        # The step's sampled tokens are not appended yet; a fused decode's snapshot depth or a
+        # window's track point may lie among them.
+        def sequence(rid, request):
+            new = sampled.get(rid)
+            return request.all_token_ids + (list(new) if isinstance(new, Sequence) else [new])
+
+        for rid, slot, depth in output.snapshots:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                cache.release_slot(slot)
+            else:
+                cache.insert(rid, sequence(rid, request)[:depth], slot)
+        for rid, (slot, ith, point) in output.track.items():
+            request = self.requests.get(rid)
+            new = sampled.get(rid)
+            commit_lens = len(new) if isinstance(new, Sequence) else 0
+            if request is None or request.is_finished or ith >= commit_lens:
+                cache.release_slot(slot)
+            else:
+                cache.insert(rid, sequence(rid, request)[:point], slot)
+        cache.end_step(output.hits)
 
     def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:
         tokens = list(tokens) if isinstance(tokens, Sequence) else [tokens]
@@ -418,7 +575,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         rid = request.request_id
         if request.status is RequestStatus.RUNNING:
-            self.allocator.free(rid)
+            self._release_pages(rid)
             self.state_pool.release(rid)
             self.running.remove(request)
         else:

@@ -11,10 +11,12 @@ request restored with S but a stale conv window (or another slot's) decodes sile
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import functools
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimi_linear_jax.cache import KDAState
 
@@ -89,3 +91,20 @@ def scatter_slot(kda_states: KDAStates, saved: KDAStates, slot) -> KDAStates:
         return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(s, x.dtype), slot, axis=0)
 
     return jax.tree.map(put, kda_states, saved)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_slots(cache, src, dst):
+    """KDA state and conv windows of slots src[i] -> dst[i] (prefix-cache restores and
+    snapshots). Padding pairs copy the null slot onto itself."""
+    return cache._replace(kda=jax.tree.map(lambda x: x.at[dst].set(x[src]), cache.kda))
+
+
+def copy_slots(cache, pairs: Sequence[tuple[int, int]], width: int):
+    """Host pairs padded to a multiple of `width` (a bounded number of compiled shapes)."""
+    n = -(-len(pairs) // width) * width
+    src = np.zeros(n, np.int32)
+    dst = np.zeros(n, np.int32)
+    for i, (a, b) in enumerate(pairs):
+        src[i], dst[i] = a, b
+    return _copy_slots(cache, jnp.asarray(src), jnp.asarray(dst))

@@ -21,7 +21,7 @@ from kimi_linear_jax.cache import init_cache
 from kimi_linear_jax.generation import shard_cache
 from kimi_linear_jax.model import commit_kda, prefill_step
 from serving.speculative.drafter import Drafter
-from serving.state_pool import reset_slots
+from serving.state_pool import copy_slots, reset_slots
 
 
 @functools.partial(
@@ -106,6 +106,9 @@ class DraftModelDrafter(Drafter):
             mesh=self.mesh,
         )
         return tokens[:, :k], num
+
+    def copy_slots(self, pairs, width: int) -> None:
+        self.cache = copy_slots(self.cache, pairs, width)
 
     def rollback(self, slots, commit_lens) -> None:
         if self._per_step is not None:

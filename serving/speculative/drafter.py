@@ -35,5 +35,8 @@ class Drafter:
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         """Mirror the target's prefill chunk (drafters with caches)."""
 
+    def copy_slots(self, pairs, width: int) -> None:
+        """Mirror the target's prefix-cache slot copies (drafters with caches)."""
+
     def rollback(self, slots, commit_lens) -> None:
         """Keep the drafter's state for the accepted tokens only (drafters with caches)."""
