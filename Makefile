@@ -16,7 +16,7 @@ install-test: $(VENV)/bin/activate
 	$(PIP) install -q -e '.[test]'
 
 run: install
-	$(VENV)/bin/kimi-linear-jax generate --prompt "The quick brown fox" --max-tokens 32
+	$(VENV)/bin/kimi-linear-jax generate --prompt "The quick brown fox" --max-tokens 32 --num-scheduler-steps 8
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import mla_decode  # noqa: E402
+import speculative  # noqa: E402
 import throughput  # noqa: E402
 
 
@@ -36,6 +37,8 @@ BENCHMARKS = {
     "dcp_combine": dcp_combine,
     # Offline generation vs transformers' generate at B 1 8 32 (about 10 min on 2 cores).
     "throughput": throughput.main,
+    # Oracle / n-gram / draft-model speculation vs plain decode, small preset, B 1 8.
+    "speculative": speculative.main,
 }
 
 

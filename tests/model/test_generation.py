@@ -1,15 +1,12 @@
-"""The greedy loop over the cached entries and the CLI on top of it."""
+"""The greedy loop over the cached entries."""
 
 from __future__ import annotations
-
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax import cli
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.generation import greedy_generate
 from kimi_linear_jax.model import forward
@@ -62,25 +59,6 @@ def test_eos_stops_a_row(model):
 def test_bad_input(model, prompts, n, match):
     with pytest.raises(ValueError, match=match):
         greedy_generate(model, prompts, n)
-
-
-def test_cli_generate_with_checkpoint(tmp_path, capsys, model):
-    from kimi_linear_jax.checkpoint import save_pretrained
-
-    save_pretrained(model, tmp_path)
-    rc = cli.main(
-        ["generate", "--model", str(tmp_path), "--prompt-ids", "5,6,7", "--max-tokens", "3"]
-    )
-    assert rc == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["token_ids"] == greedy_generate(model, [[5, 6, 7]], 3)[0]
-    assert out["text"] is None  # no tokenizer files in this checkpoint
-
-
-def test_cli_bad_path(tmp_path, capsys):
-    rc = cli.main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
-    assert rc == 2
-    assert "not a checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dcp_size", [2, 4])

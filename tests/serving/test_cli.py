@@ -1,0 +1,141 @@
+"""The `kimi-linear-jax` command line, run in-process on a tiny random checkpoint.
+
+Every call uses the same engine flags (ENGINE), so the jitted steps compile once for the file
+and the reference `LLM` shares them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from kimi_linear_jax.testing import make_tiny_checkpoint
+from serving.cli import main
+from serving.engine import LLM
+from serving.sampling import SamplingParams
+
+# One running sequence: every step has batch bucket 1, so the whole file compiles one prefill and
+# one decode shape (batch mode still runs its lines through one `generate` call).
+ENGINE = dict(page_size=4, num_pages=32, max_num_seqs=1, max_num_batched_tokens=64, chunk_size=16)
+FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+# Both shorter than one prefill chunk: no chunked-prefill variant to compile.
+PROMPTS = [[5, 6, 7], list(range(10, 22))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_checkpoint(path, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Greedy outputs of the offline API on the same checkpoint: 4 and 6 tokens."""
+    llm = LLM(checkpoint, **ENGINE)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 6)]
+    return llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_generate_greedy_equals_llm(checkpoint, reference, capsys):
+    rc, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        checkpoint,
+        "--prompt-ids",
+        "5,6,7",
+        "--max-tokens",
+        "4",
+        *FLAGS,
+    )
+    assert rc == 0
+    (line,) = out.strip().splitlines()
+    got = json.loads(line)
+    assert got["token_ids"] == reference[0].token_ids
+    assert got["prompt_tokens"] == 3
+    assert got["finish_reason"] == reference[0].finish_reason
+    assert got["text"] is None  # no tokenizer files in this checkpoint
+    assert "logprobs" not in got
+
+
+def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_path, monkeypatch):
+    lines = [
+        json.dumps({"prompt": PROMPTS[0], "max_tokens": 4}),
+        "this is not json",
+        json.dumps({"prompt": [1, 2, 999], "max_tokens": 4}),  # token id past the vocabulary
+        json.dumps({"prompt": PROMPTS[1], "temperature": -1}),
+        json.dumps({"prompt": PROMPTS[1], "max_tokens": 6, "logprobs": 2}),
+        json.dumps({"prompt": PROMPTS[0], "colour": "red"}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),  # no tokenizer
+        json.dumps({"prompt": PROMPTS[0], "seed": "abc"}),
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    out_file = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", checkpoint, "--input", "-", "--output", str(out_file)]
+    rc, out, _ = run(capsys, *argv, "--max-tokens", "3", *FLAGS)
+    assert rc == 0 and out == ""
+    rows = [json.loads(x) for x in out_file.read_text().splitlines()]
+    assert len(rows) == len(lines)
+    assert rows[0]["token_ids"] == reference[0].token_ids
+    assert rows[4]["token_ids"] == reference[1].token_ids
+    assert len(rows[4]["logprobs"]) == len(rows[4]["token_ids"])
+    for n, match in [
+        (1, "line 2: not JSON"),
+        (2, "line 3: token id 999 is outside the vocabulary"),
+        (3, "line 4: temperature must be >= 0"),
+        (5, "line 6: unknown field(s) ['colour']"),
+        (6, "line 7: messages need a tokenizer"),
+        (7, "line 8: seed has the wrong type"),
+    ]:
+        assert set(rows[n]) == {"error"} and match in rows[n]["error"], rows[n]
+
+
+def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[::-1]))
+    rc, out, _ = run(
+        capsys, "generate", "--model", checkpoint, "--input", str(path), *FLAGS, "--max-tokens", "4"
+    )
+    assert rc == 0
+    rows = [json.loads(x) for x in out.strip().splitlines()]
+    assert rows[1]["token_ids"] == reference[0].token_ids
+    assert rows[0]["token_ids"] == reference[1].token_ids[:4]  # greedy: a prefix of 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--model", "{tmp}/nope", "--prompt", "hi"], "not a checkpoint"),
+        (["--prompt-ids", "1,2", "--dcp-size", "64"], "dcp_size must be in [1, device count"),
+        (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+        (["--model", "{ckpt}", "--prompt", "hi"], "a text prompt needs a tokenizer"),
+        (["--model", "{ckpt}", "--prompt-ids", "1,2,999"], "token id 999 is outside"),
+        (["--input", "{tmp}/missing.jsonl"], "No such file"),
+    ],
+)
+def test_bad_input_exits_2(checkpoint, capsys, tmp_path, argv, match):
+    argv = [a.format(tmp=tmp_path, ckpt=checkpoint) for a in argv]
+    rc, out, err = run(capsys, "generate", *argv, *FLAGS)
+    assert rc == 2 and out == ""
+    assert match in err and "Traceback" not in err
+
+
+def test_argparse_error_exits_2(capsys):
+    rc, _, err = run(capsys, "generate", "--max-tokens", "many", "--prompt", "x")
+    assert rc == 2 and "invalid int value" in err
+
+
+def test_info(capsys):
+    rc, out, _ = run(capsys, "info", "--preset", "tiny")
+    got = json.loads(out)
+    assert rc == 0 and got["preset"] == "tiny" and got["parameters"] > 0

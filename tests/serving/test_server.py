@@ -1,0 +1,265 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, over a tiny random model with the byte
+tokenizer (text prompts work; the text is noise).
+
+One module-scoped server; the offline reference `LLM` uses the same shapes, so the jitted steps
+compile once for both. Expected outputs are the offline greedy ones for the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from kimi_linear_jax.config import preset
+from kimi_linear_jax.testing import random_model
+from kimi_linear_jax.tokenizer import ByteTokenizer
+from serving.engine import LLM
+from serving.sampling import SamplingParams
+from serving.server import BackgroundServer, build_app
+
+NAME = "tiny-test"
+# 63 usable pages of 4 tokens: max_model_len 252. One batch bucket of 8 (the load test runs 8
+# at a time) and one token bucket, shared by the server's engine and the offline reference.
+SHAPES = dict(
+    num_pages=64,
+    page_size=4,
+    max_num_seqs=8,
+    batch_buckets=(8,),
+    token_buckets=(64,),
+    max_num_batched_tokens=64,
+    chunk_size=64,
+)
+MAX_TOKENS = 5
+# httpx waits 5 s by default; a first request may wait for a compile on a busy machine.
+TIMEOUT = 300
+MESSAGES = [{"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = random_model(preset("tiny"))
+    tokenizer = ByteTokenizer(model.config.vocab_size)
+    offline = LLM(model, tokenizer=tokenizer, **SHAPES)
+    app = build_app(
+        LLM(model, tokenizer=tokenizer, **SHAPES),
+        model_name=NAME,
+        max_queue=64,
+        request_timeout=120,
+    )
+    with BackgroundServer(app) as server:
+        yield server, app.state.server, offline
+
+
+@pytest.fixture(scope="module")
+def url(setup):
+    return setup[0].url
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    return setup[1]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+_references: dict = {}
+
+
+@pytest.fixture(scope="module")
+def offline(setup):
+    """reference(prompt or messages, max_tokens) -> the offline greedy RequestOutput."""
+
+    def reference(prompt, max_tokens=MAX_TOKENS):
+        key = (json.dumps(prompt), max_tokens)
+        if key not in _references:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens)
+            run = setup[2].chat if isinstance(prompt, list) else setup[2].generate
+            (_references[key],) = run(prompt, params, use_tqdm=False)
+        return _references[key]
+
+    return reference
+
+
+def metric(url, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def wait_drained(url, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(url, "kimi_linear_engine_slots_used") or metric(
+        url, "kimi_linear_engine_pages_used"
+    ):
+        assert time.monotonic() < deadline, "the engine kept a slot or pages"
+        time.sleep(0.05)
+
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+
+
+def test_completion_equals_offline(client, offline):
+    ref = offline("The quick brown fox")
+    got = client.completions.create(
+        model=NAME, prompt="The quick brown fox", max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert got.choices[0].text == ref.text
+    assert got.choices[0].finish_reason == ref.finish_reason
+    assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert got.usage.completion_tokens == len(ref.token_ids)
+    assert got.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+
+
+def test_chat_completion_equals_offline(client, offline):
+    ref = offline(MESSAGES)
+    got = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == ref.text
+    assert got.usage.completion_tokens == len(ref.token_ids)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_offline(client, offline, chat):
+    prompt = MESSAGES if chat else "Hello"
+    ref = offline(prompt)
+    common = dict(model=NAME, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    common["stream_options"] = {"include_usage": True}
+    if chat:
+        stream = client.chat.completions.create(messages=prompt, **common)
+    else:
+        stream = client.completions.create(prompt=prompt, **common)
+    pieces, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append((choice.delta.content if chat else choice.text) or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == ref.text
+    assert usage.completion_tokens == len(ref.token_ids)
+    assert reasons[-1] == ref.finish_reason and not any(reasons[:-1])
+
+
+BAD = [
+    ("completions", "{not json", 400, "malformed JSON"),
+    ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens must be > 0"),
+    ("completions", {"prompt": "x", "max_tokens": 10**9}, 400, "exceeds max_model_len 252"),
+    ("completions", {"prompt": "x" * 300, "max_tokens": 4}, 400, "exceeds max_model_len 252"),
+    ("completions", {"prompt": [1, 2, 999]}, 400, "token id 999 is outside the vocabulary"),
+    ("completions", {"max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": "x", "model": "gpt-9"}, 404, "'gpt-9' does not exist"),
+    ("chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("chat/completions", {"messages": [{"role": "x", "content": "y"}]}, 400, "role"),
+    ("chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p must be in"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "match"), BAD)
+def test_bad_request_gets_openai_error(url, path, body, status, match):
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(
+        f"{url}/v1/{path}", headers={"content-type": "application/json"}, timeout=TIMEOUT, **kwargs
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert match in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_server_keeps_serving_after_bad_requests(client, offline, url):
+    for path, body, *_ in BAD:  # all of them again, back to back
+        kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+        httpx.post(
+            f"{url}/v1/{path}",
+            headers={"content-type": "application/json"},
+            timeout=TIMEOUT,
+            **kwargs,
+        )
+    got = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert got.choices[0].text == offline("Hello").text
+    assert metric(url, 'kimi_linear_requests_total{status="400"}') >= len(BAD) - 1
+    wait_drained(url)
+
+
+def test_disconnect_mid_stream_frees_the_request(url):
+    aborted = metric(url, "kimi_linear_engine_aborted_total")
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    wait_drained(url)
+    assert metric(url, "kimi_linear_engine_aborted_total") == aborted + 1
+
+
+def test_queue_full_is_503_and_timeout_is_504(url, server):
+    """The engine loop is held (paused) so the queue fills and a deadline passes for sure."""
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    server.engine.pause()
+    try:
+        server.max_queue = 0  # room for max_num_seqs = 8 requests
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            held = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=TIMEOUT)]
+            held += [
+                pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+                for _ in range(7)
+            ]
+            while server.in_flight < 8:
+                time.sleep(0.02)
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 503 and "queue is full" in r.json()["error"]["message"]
+            server.max_queue = 64
+            server.request_timeout = 0.2
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+            server.request_timeout = 120
+            server.engine.resume()
+            assert [f.result().status_code for f in held] == [200] * 8
+    finally:
+        server.max_queue, server.request_timeout = 64, 120
+        server.engine.resume()
+    wait_drained(url)
+
+
+def test_load_32_streaming_clients(url, offline):
+    prompts = ["Hello", "The quick brown fox", "abc", "Kimi Linear"]
+    refs = {p: offline(p, 4).text for p in prompts}
+    aclient = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+    )
+
+    async def one(prompt):
+        stream = await aclient.completions.create(
+            model=NAME, prompt=prompt, max_tokens=4, temperature=0, stream=True
+        )
+        return prompt, "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def user(i):
+        return [await one(prompts[(i + k) % len(prompts)]) for k in range(2)]
+
+    async def everyone():
+        async with aclient:
+            return await asyncio.gather(*(user(i) for i in range(32)))
+
+    results = [r for rs in asyncio.run(everyone()) for r in rs]
+    assert len(results) == 64
+    assert all(text == refs[prompt] for prompt, text in results)
+    wait_drained(url)
