@@ -1,9 +1,16 @@
 """Mixture of experts: sigmoid router with a selection-only correction bias, grouped top-k,
 renormalised and scaled weights, routed experts plus shared experts.
 
-Experts are stacked `[E, out, in]` so the routed product is one grouped matmul
-(`jax.lax.ragged_dot` over tokens sorted by expert); `dispatch="dense"` is the reference that
-runs every expert on every token.
+Experts are stacked `[E, out, in]` and every path contracts them in that stored layout (no
+per-step transpose). The routed product has three forms, picked statically at trace time
+(`dispatch="auto"`, see `pick_dispatch`):
+
+- "ragged": one grouped matmul (`jax.lax.ragged_dot_general`) over tokens sorted by expert, the
+  fast path on GPU / TPU, which lower it to a grouped-GEMM kernel;
+- "tiled": a loop over fixed-size tiles of the expert-sorted rows, one expert per tile, that
+  skips the tiles no row fills, so that only the experts a step actually routes to are read
+  (the CPU path, where `ragged_dot` is a dense masked product over every expert);
+- "dense": the reference that runs every expert on every token.
 """
 
 from __future__ import annotations
@@ -54,6 +61,46 @@ def _mask_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
     return jnp.where(mask, choice, -jnp.inf)
 
 
+# Rows per tile of the "tiled" path, at most. A tile reads one expert's three matrices, so at
+# decode sizes (N <= TILE_ROWS) the tile is all N rows and each used expert is read once; at
+# prefill sizes the padding of each expert's group to whole tiles stays small next to the
+# N * E rows of the dense form (measured on CPU, `small` shapes: 64..256 all alike, 512 worse).
+TILE_ROWS = 128
+
+DISPATCHES = ("auto", "ragged", "tiled", "dense")
+
+
+def pick_dispatch(backend: str | None = None) -> str:
+    """The routed-expert path for `dispatch="auto"`: static, from the backend alone.
+
+    On GPU / TPU `ragged_dot` lowers to a grouped-GEMM kernel that reads each used expert once.
+    Elsewhere (CPU) JAX lowers it to its generic form, which masks the rows into [E, N * k, D]
+    and multiplies every expert (8-9 ms per matrix for the `small` preset even for one token,
+    slower than the dense einsum). There the tiled loop, which reads only the routed experts,
+    won at every N measured (1 to 2048 tokens), so N only sets its tile size (`TILE_ROWS`).
+    """
+    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged"
+
+
+def _sort_by_expert(idx: jax.Array, E: int):
+    """Rows of the flattened (token, slot) pairs grouped by expert (stable).
+
+    Returns (order [N*k] pair index per sorted row, sizes [E] int32 rows per expert)."""
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    return order, sizes
+
+
+# ragged_dot_general in the stored [E, out, in] layout: lhs [M, in] ragged along M, rhs grouped
+# along 0, contracting lhs 1 with rhs 2 (no swapaxes of the expert stack per step).
+_RAGGED_DNUMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
 class Experts(nnx.Module):
     """Stacked expert weights: w1 (gate) [E, I, D], w3 (up) [E, I, D], w2 (down) [E, D, I]."""
 
@@ -63,21 +110,73 @@ class Experts(nnx.Module):
         self.w3 = nnx.Param(init_normal(rngs, (E, I, D), dtype))
         self.w2 = nnx.Param(init_normal(rngs, (E, D, I), dtype))
 
-    def grouped(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
-        """sum_j w[n, j] * expert_{idx[n, j]}(x[n]) with one ragged matmul per weight."""
+    def __call__(self, x: jax.Array, w: jax.Array, idx: jax.Array, dispatch: str = "auto"):
+        """sum_j w[n, j] * expert_{idx[n, j]}(x[n]): x [N, D], w [N, k], idx [N, k] -> [N, D]."""
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"unknown MoE dispatch {dispatch!r}; choose one of {DISPATCHES}")
+        if dispatch == "auto":
+            dispatch = pick_dispatch()
+        return getattr(self, dispatch)(x, w, idx)
+
+    def ragged(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+        """One ragged matmul per weight over the rows sorted by expert."""
         N, k = idx.shape
-        E = self.w1.shape[0]
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
+        order, sizes = _sort_by_expert(idx, self.w1.shape[0])
         xs = x[order // k]  # [N*k, D], rows grouped by expert
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
-        gate = jax.lax.ragged_dot(xs, jnp.swapaxes(w1, 1, 2), sizes)
-        up = jax.lax.ragged_dot(xs, jnp.swapaxes(w3, 1, 2), sizes)
+
+        def mm(lhs, rhs):
+            return jax.lax.ragged_dot_general(lhs, rhs, sizes, _RAGGED_DNUMS)
+
+        gate = mm(xs, self.w1[...])
+        up = mm(xs, self.w3[...])
         h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        y = jax.lax.ragged_dot(h, jnp.swapaxes(w2, 1, 2), sizes)  # [N*k, D]
+        y = mm(h, self.w2[...])  # [N*k, D]
         y = y.astype(w.dtype) * w.reshape(-1)[order][:, None]
         return jnp.zeros((N, x.shape[-1]), w.dtype).at[order // k].add(y)
+
+    def tiled(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
+        """Tiles of T = min(N, TILE_ROWS) expert-sorted rows, one expert per tile.
+
+        Each expert's group of rows is padded to whole tiles; tile t belongs to the expert whose
+        cumulative tile count first exceeds t. The loop has the static bound ceil(N*k / T) + E
+        (scan, so reverse-differentiable) and skips (`cond`) the tiles past the last one in
+        use, so an expert no row is routed to is never read. Padding rows get weight 0.
+        """
+        N, k = idx.shape
+        E, D = self.w1.shape[0], x.shape[-1]
+        T = min(N, TILE_ROWS)
+        order, sizes = _sort_by_expert(idx, E)
+        ends = jnp.cumsum(sizes)
+        starts = ends - sizes
+        tiles = (sizes + T - 1) // T
+        tile_ends = jnp.cumsum(tiles)
+        # T rows of padding at the end: a tile's slice may run past the last row.
+        rows = jnp.concatenate([order // k, jnp.zeros((T,), order.dtype)])
+        xs = jnp.concatenate([x[order // k], jnp.zeros((T, D), x.dtype)])
+        ws = jnp.concatenate([w.reshape(-1)[order], jnp.zeros((T,), w.dtype)])
+        w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
+
+        def tile(t, y):
+            e = jnp.searchsorted(tile_ends, t, side="right")
+            row0 = starts[e] + (t - (tile_ends[e] - tiles[e])) * T
+            xt = jax.lax.dynamic_slice_in_dim(xs, row0, T)
+
+            def expert(m):
+                return jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
+
+            gate = jnp.einsum("td,id->ti", xt, expert(w1))
+            up = jnp.einsum("td,id->ti", xt, expert(w3))
+            h = (jax.nn.silu(gate) * up).astype(x.dtype)
+            out = jnp.einsum("ti,di->td", h, expert(w2)).astype(w.dtype)
+            valid = row0 + jnp.arange(T) < ends[e]
+            scale = jnp.where(valid, jax.lax.dynamic_slice_in_dim(ws, row0, T), 0)
+            return y.at[jax.lax.dynamic_slice_in_dim(rows, row0, T)].add(out * scale[:, None])
+
+        def step(t, y):
+            return jax.lax.cond(t < tile_ends[-1], tile, lambda t, y: y, t, y)
+
+        max_tiles = -(-N * k // T) + E
+        return jax.lax.fori_loop(0, max_tiles, step, jnp.zeros((N, D), w.dtype))
 
     def dense(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
         """Reference: every expert on every token, weighted by a dense [N, E] matrix."""
@@ -93,9 +192,7 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(
-        self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, dispatch: str = "grouped"
-    ):
+    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, dispatch: str = "auto"):
         self.dispatch = dispatch
         self.gate = Router(config, dtype=dtype, rngs=rngs)
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
@@ -107,8 +204,7 @@ class MoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat)
-        run = self.experts.dense if self.dispatch == "dense" else self.experts.grouped
-        y = run(flat, w, idx).astype(x.dtype).reshape(shape)
+        y = self.experts(flat, w, idx, self.dispatch).astype(x.dtype).reshape(shape)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
         return y

@@ -1,5 +1,5 @@
 """MLA forms against each other (absorbed == naive, paged reference over poisoned pages) and
-the grouped MoE dispatch against the dense reference."""
+every MoE dispatch (ragged, tiled) against the dense reference."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.config import preset
+from kimi_linear_jax.layers import moe as moe_module
 from kimi_linear_jax.layers.mla import MLA
 from kimi_linear_jax.layers.moe import MoE
 from kimi_linear_jax.ops import mla as mla_ops
@@ -88,17 +89,104 @@ def test_merge_partials_equals_joint_softmax():
     assert_close(om, o, atol=0, rtol_rms=0, name="o with empty part")
 
 
-@pytest.mark.parametrize("groups,topk_group", [(1, 1), (4, 2)])
-def test_grouped_dispatch_equals_dense(groups, topk_group):
-    cfg = preset("tiny", num_expert_group=groups, topk_group=topk_group, num_experts_per_token=3)
-    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(2))
-    moe.gate.e_score_correction_bias.set_value(
-        jnp.asarray(np.random.default_rng(3).standard_normal(cfg.num_experts) * 0.05, jnp.float32)
-    )
-    x = jax.random.normal(jax.random.key(4), (3, 17, cfg.hidden_size))
+def _random_moe(cfg, seed, bias_scale=0.05):
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    bias = np.random.default_rng(seed + 1).standard_normal(cfg.num_experts) * bias_scale
+    moe.gate.e_score_correction_bias.set_value(jnp.asarray(bias, jnp.float32))
+    return moe
+
+
+def _against_dense(moe, x, dispatch):
+    moe.dispatch = dispatch
     y = moe(x)
     moe.dispatch = "dense"
-    assert_close(y, moe(x), atol=1e-5, rtol_rms=1e-6, name="moe")
+    assert_close(y, moe(x), atol=1e-5, rtol_rms=1e-6, name=f"moe {dispatch}")
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "tiled", "auto"])
+@pytest.mark.parametrize("groups,topk_group", [(1, 1), (4, 2)])
+def test_grouped_dispatch_equals_dense(groups, topk_group, dispatch):
+    cfg = preset("tiny", num_expert_group=groups, topk_group=topk_group, num_experts_per_token=3)
+    moe = _random_moe(cfg, 2)
+    x = jax.random.normal(jax.random.key(4), (3, 17, cfg.hidden_size))
+    _against_dense(moe, x, dispatch)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "tiled"])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 300])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_dispatch_token_counts_equal_dense(dispatch, tokens, shared):
+    """Decode sizes (one tile of all N rows) and prefill sizes (N > TILE_ROWS: groups spread
+    over several tiles), with and without shared experts."""
+    cfg = preset("tiny", num_shared_experts=shared)
+    moe = _random_moe(cfg, 7)
+    x = jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size))
+    _against_dense(moe, x, dispatch)
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3, 128])
+@pytest.mark.parametrize("dispatch", ["ragged", "tiled"])
+def test_dispatch_crowded_experts_equal_dense(monkeypatch, dispatch, tile_rows):
+    """A router bias that sends every token to the same two experts (six stay unused, one
+    group holds every row); small tiles split that group over many tiles, with a ragged last
+    one."""
+    monkeypatch.setattr(moe_module, "TILE_ROWS", tile_rows)
+    cfg = preset("tiny", num_expert_group=1, topk_group=1)
+    moe = _random_moe(cfg, 3, bias_scale=0.0)
+    moe.gate.e_score_correction_bias.set_value(jnp.zeros(cfg.num_experts).at[5].set(9).at[2].set(8))
+    x = jax.random.normal(jax.random.key(5), (2, 11, cfg.hidden_size))
+    _, idx = moe.gate(x.reshape(-1, cfg.hidden_size))
+    assert set(np.unique(np.asarray(idx))) == {2, 5}
+    _against_dense(moe, x, dispatch)
+
+
+def test_tiled_dispatch_under_jit_equals_dense():
+    """The decode shape (N = batch) inside jit, as the decode step runs it."""
+    cfg = preset("tiny")
+    moe = _random_moe(cfg, 11)
+    x = jax.random.normal(jax.random.key(12), (4, 1, cfg.hidden_size))
+    moe.dispatch = "tiled"
+    y = nnx.jit(lambda m, x: m(x))(moe, x)
+    moe.dispatch = "dense"
+    assert_close(y, moe(x), atol=1e-5, rtol_rms=1e-6, name="moe jit")
+
+
+def test_tiled_dispatch_gradients_equal_dense():
+    """The tiled loop (scan + cond) is reverse-differentiable, with the dense gradients."""
+    cfg = preset("tiny")
+    moe = _random_moe(cfg, 13)
+    x = jax.random.normal(jax.random.key(14), (9, cfg.hidden_size))
+    r = jax.random.normal(jax.random.key(15), (9, cfg.hidden_size))
+    graphdef, params = nnx.split(moe)
+
+    def grads(dispatch):
+        def loss(p, x):
+            m = nnx.merge(graphdef, p)
+            m.dispatch = dispatch
+            return jnp.sum(m(x) * r)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    (gp, gx), (rp, rx) = grads("tiled"), grads("dense")
+    assert_close(gx, rx, atol=1e-5, rtol_rms=1e-6, name="d x")
+    for name in ("w1", "w2", "w3"):
+        assert_close(
+            gp["experts"][name][...],
+            rp["experts"][name][...],
+            atol=1e-5,
+            rtol_rms=1e-6,
+            name=f"d {name}",
+        )
+
+
+def test_pick_dispatch():
+    assert moe_module.pick_dispatch("cpu") == "tiled"
+    assert moe_module.pick_dispatch("gpu") == "ragged"
+    assert moe_module.pick_dispatch("tpu") == "ragged"
+    with pytest.raises(ValueError, match="unknown MoE dispatch"):
+        MoE(preset("tiny"), dtype=jnp.float32, rngs=nnx.Rngs(0), dispatch="grouped")(
+            jnp.zeros((1, 64))  # tiny hidden size
+        )
 
 
 def test_router_grouping_and_bias_for_selection_only():
