@@ -55,6 +55,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     for flag, kind, default, text in ENGINE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    spec = p.add_argument_group("speculative decoding (off unless --speculative-method)")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None)
+    spec.add_argument("--num-draft-tokens", type=int, default=4)
+    spec.add_argument("--draft-model", default=None, help="draft checkpoint (draft_model)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=3)
+    spec.add_argument("--prompt-lookup-min", type=int, default=1)
+    cache = p.add_argument_group("prefix caching (on by default)")
+    cache.add_argument("--no-prefix-caching", action="store_true")
+    cache.add_argument("--num-checkpoint-slots", type=int, default=None)
+    cache.add_argument("--track-interval", type=int, default=None)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -140,7 +150,24 @@ def llm_from_args(args):
     from serving.engine import LLM
 
     names = [flag[2:].replace("-", "_") for flag, *_ in ENGINE_FLAGS]
-    return LLM(args.model, dtype=args.dtype, **{name: getattr(args, name) for name in names})
+    speculative = None
+    if args.speculative_method is not None:
+        speculative = {
+            "method": args.speculative_method,
+            "num_draft_tokens": args.num_draft_tokens,
+            "model": args.draft_model,
+            "prompt_lookup_max": args.prompt_lookup_max,
+            "prompt_lookup_min": args.prompt_lookup_min,
+        }
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        speculative=speculative,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_checkpoint_slots=args.num_checkpoint_slots,
+        track_interval=args.track_interval,
+        **{name: getattr(args, name) for name in names},
+    )
 
 
 # ---- generate ----------------------------------------------------------------------------------

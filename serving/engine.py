@@ -137,6 +137,9 @@ class LLM:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        # Option errors before the (possibly slow) model load.
+        self.speculative = SpeculativeConfig.parse(speculative)
+        self.track_interval = resolve_track_interval(track_interval, page_size, dcp_size)
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer)
         self.config = self.model.config
         tokens_per_page = page_size * dcp_size
@@ -156,13 +159,11 @@ class LLM:
         # a restore or snapshot is one on-device copy. The track interval is resolved once,
         # here, on the checkpoint grid, for the scheduler's decode snapshots and the verify.
         n_ckpt = 2 * max_num_seqs if num_checkpoint_slots is None else num_checkpoint_slots
-        self.track_interval = resolve_track_interval(track_interval, page_size, dcp_size)
         self.prefix_cache = None
         if enable_prefix_caching and n_ckpt > 0:
             first = max_num_seqs + 1
             self.prefix_cache = PrefixCache(self.allocator, range(first, first + n_ckpt))
         num_slots = max_num_seqs + 1 + (n_ckpt if self.prefix_cache else 0)
-        self.speculative = SpeculativeConfig.parse(speculative)
         if drafter is not None and self.speculative is None:
             raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
         self.runner_slots = num_slots

@@ -121,6 +121,8 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
         (["--model", "{ckpt}", "--prompt", "hi"], "a text prompt needs a tokenizer"),
         (["--model", "{ckpt}", "--prompt-ids", "1,2,999"], "token id 999 is outside"),
         (["--input", "{tmp}/missing.jsonl"], "No such file"),
+        (["--prompt-ids", "1", "--speculative-method", "draft_model"], "needs 'model'"),
+        (["--prompt-ids", "1", "--track-interval", "48"], "multiple of the checkpoint grid 64"),
     ],
 )
 def test_bad_input_exits_2(checkpoint, capsys, tmp_path, argv, match):
@@ -139,3 +141,10 @@ def test_info(capsys):
     rc, out, _ = run(capsys, "info", "--preset", "tiny")
     got = json.loads(out)
     assert rc == 0 and got["preset"] == "tiny" and got["parameters"] > 0
+
+
+def test_speculative_flags_keep_greedy_output(checkpoint, reference, capsys):
+    argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    spec = ["--speculative-method", "ngram", "--num-draft-tokens", "2", "--no-prefix-caching"]
+    rc, out, _ = run(capsys, *argv, *FLAGS, *spec)
+    assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
