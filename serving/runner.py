@@ -39,7 +39,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import Batch, init_cache
 from kimi_linear_jax.generation import dcp_mesh, shard_cache
-from kimi_linear_jax.model import prefill_step
+from kimi_linear_jax.model import HashedGraph, merge, prefill_step
 from serving.allocator import NULL_PAGE, PageAllocator
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
@@ -116,7 +116,7 @@ def _decode_steps(
     PRNG stream position) and the penalty counts advance per step exactly as in single steps,
     so fused and unfused decoding draw the same tokens.
     """
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     rows = jnp.arange(ids.shape[0])
 
     def step(carry, i):
@@ -195,7 +195,8 @@ class ModelRunner:
         self.commit_recurrent = model.has_recurrent_state
         self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
         self.config = model.config
-        self.graphdef, self.params = nnx.split(model)
+        graphdef, self.params = nnx.split(model)
+        self.graphdef = HashedGraph(graphdef)
         self.mesh = dcp_mesh(dcp_size)
         self.dcp_size = dcp_size
         self.page_size = page_size
@@ -405,6 +406,7 @@ class ModelRunner:
             mode=mode,
             mesh=self.mesh,
             commit_recurrent=self.commit_recurrent,
+            track=bool(output.track),
         )
         tokens, commit_lens, *logprobs = picked
         self.drafter.rollback(batch.slots, commit_lens)

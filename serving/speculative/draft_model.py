@@ -19,7 +19,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import init_cache
 from kimi_linear_jax.generation import shard_cache
-from kimi_linear_jax.model import commit_kda, prefill_step
+from kimi_linear_jax.model import HashedGraph, commit_kda, merge, prefill_step
 from serving.speculative.drafter import Drafter
 from serving.state_pool import copy_slots, reset_slots
 
@@ -30,7 +30,7 @@ from serving.state_pool import copy_slots, reset_slots
 def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps, mesh=None):
     """Greedy decode of `num_steps` steps from `last` [B]; row b runs steps_left[b] of them.
     Returns (tokens [B, num_steps], per-step KDA states [B, num_steps, ...] per layer, cache)."""
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
 
     def step(carry, i):
         token, cache = carry
@@ -60,7 +60,8 @@ def _reset(cache, slots):
 class DraftModelDrafter(Drafter):
     def __init__(self, model, *, num_pages, tokens_per_page, num_slots, mesh=None) -> None:
         self.config = model.config
-        self.graphdef, self.params = nnx.split(model)
+        graphdef, self.params = nnx.split(model)
+        self.graphdef = HashedGraph(graphdef)
         self.mesh = mesh
         cache = init_cache(
             self.config,

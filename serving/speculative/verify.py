@@ -22,11 +22,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from kimi_linear_jax.cache import KDAState, ModelCache
 from kimi_linear_jax.layers.kda import commit
-from kimi_linear_jax.model import commit_kda
+from kimi_linear_jax.model import commit_kda, merge
 from serving.sampling import SamplingBatch, apply_penalties, row_keys, truncation_mask
 
 NUM_TOP_LOGPROBS = 20
@@ -103,7 +102,7 @@ def _track(cache: ModelCache, per_step, slots, track_slots, track_steps, commit_
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "mode", "mesh", "commit_recurrent"),
+    static_argnames=("graphdef", "mode", "mesh", "commit_recurrent", "track"),
     donate_argnames=("cache",),
 )
 def verify_step(
@@ -123,13 +122,16 @@ def verify_step(
     mode,
     mesh=None,
     commit_recurrent=True,
+    track=True,
 ):
     """One verify over rows [B] (padding rows: batch.lengths 0). Returns ((tokens [B, T],
     commit_lens [B], logprob [B, T], top ids [B, T, N], top values [B, T, N]), cache); the
-    logprob outputs are zeros in greedy mode."""
+    logprob outputs are zeros in greedy mode. `track` (static) compiles the track-point
+    snapshot in; without it the track arrays are ignored (a step with no row tracking skips the
+    extra gather and scatter of every KDA array)."""
     if drafts.ndim != 2 or drafts.shape[0] != last.shape[0]:
         raise ValueError(f"chain layout needs drafts [B, k], got {drafts.shape}")
-    model = nnx.merge(graphdef, params)
+    model = merge(graphdef, params)
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
     live = batch.lengths > 0
     batch = batch._replace(lengths=jnp.where(live, num_drafts + 1, 0))
@@ -141,7 +143,8 @@ def verify_step(
     commit_lens = jnp.where(live, accepted + 1, 0)
     if commit_recurrent:
         cache = commit_kda(cache, per_step, batch.slots, commit_lens)
-        cache = _track(cache, per_step, batch.slots, track_slots, track_steps, commit_lens)
+        if track:
+            cache = _track(cache, per_step, batch.slots, track_slots, track_steps, commit_lens)
     if mode == "greedy":
         zero = jnp.zeros(tokens.shape, jnp.float32)
         return (tokens, commit_lens, zero, tokens[..., None], zero[..., None]), cache

@@ -365,6 +365,7 @@ def abstract_params(config: KimiLinearConfig, dtype=jnp.float32) -> dict[str, ja
     }
 
 
+@pytest.mark.slow  # tracing the 48B model abstractly takes ~20 s on a CPU
 def test_48b_parameter_count():
     c = preset("kimi-linear-48b-a3b")
     params = abstract_params(c, jnp.bfloat16)
