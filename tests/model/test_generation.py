@@ -61,8 +61,9 @@ def test_bad_input(model, prompts, n, match):
         greedy_generate(model, prompts, n)
 
 
-# dcp 4 runs by default (the engine's DCP tests cover it too); dcp 2 is marked slow.
-@pytest.mark.parametrize("dcp_size", [pytest.param(2, marks=pytest.mark.slow), 4])
+# Slow: the engine's DCP tests cover dcp 4 by default (test_engine, test_speculative).
+@pytest.mark.slow
+@pytest.mark.parametrize("dcp_size", [2, 4])
 def test_dcp_greedy_equals_single_device(model, dcp_size):
     """Decode context parallelism: the MLA latent cache spread over dcp_size devices gives the
     same greedy tokens as one device (prompts shorter and longer than dcp_size, ragged)."""
