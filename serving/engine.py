@@ -181,6 +181,7 @@ class LLM:
             num_decode_steps=num_scheduler_steps,
             drafter=drafter,
             num_draft_tokens=k,
+            spec_min_acceptance=self.speculative.min_acceptance if self.speculative else 0.0,
         )
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)

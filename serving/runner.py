@@ -182,6 +182,8 @@ class ModelRunner:
         num_decode_steps: int = 1,
         drafter=None,
         num_draft_tokens: int = 0,
+        spec_min_acceptance: float = 0.0,
+        spec_probe_interval: int = 16,
     ) -> None:
         if not batch_buckets or not token_buckets:
             raise ValueError("batch_buckets and token_buckets must not be empty")
@@ -192,6 +194,12 @@ class ModelRunner:
         # decided once, from the model's declared capability.
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
+        # Adaptive speculation: a request whose recent acceptance (an EMA) is below this stops
+        # proposing (its window is one token) except one probe every `spec_probe_interval`
+        # verifies. A verify window costs several decode steps on a CPU, so drafts that keep
+        # failing are a loss. 0 turns it off.
+        self.spec_min_acceptance = spec_min_acceptance
+        self.spec_probe_interval = spec_probe_interval
         self.commit_recurrent = model.has_recurrent_state
         self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
         self.config = model.config
@@ -365,6 +373,21 @@ class ModelRunner:
             for i, (r, row) in enumerate(zip(requests, samples, strict=True))
         }
 
+    def _max_drafts(self, request: Request, room: int) -> int:
+        # Penalised rows do not speculate: their counts would change inside the window.
+        if room <= 0 or _has_penalty(request):
+            return 0
+        if request.spec_acceptance >= self.spec_min_acceptance:
+            return room
+        request.spec_skipped += 1
+        return room if request.spec_skipped % self.spec_probe_interval == 0 else 0
+
+    def _update_acceptance(self, requests, num: np.ndarray, commit_lens: np.ndarray) -> None:
+        for i, r in enumerate(requests):
+            if num[i] > 0:
+                rate = (int(commit_lens[i]) - 1) / int(num[i])
+                r.spec_acceptance = 0.7 * r.spec_acceptance + 0.3 * rate
+
     def _verify(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""
         requests = output.decode
@@ -378,12 +401,11 @@ class ModelRunner:
             start[i] = r.num_computed_tokens
             lengths[i] = 1
             last[i] = r.all_token_ids[-1]
-            # Penalised rows do not speculate: their counts would change inside the window.
-            max_drafts.append(0 if _has_penalty(r) else output.decode_steps[i] - 1)
+            max_drafts.append(self._max_drafts(r, output.decode_steps[i] - 1))
         batch = self._batch(slots, table, start, lengths)
         k = self.num_draft_tokens
         drafts, num = self.drafter.propose(requests, max_drafts, batch, k)
-        if isinstance(drafts, np.ndarray) and not num.any():
+        if not np.asarray(num).any():
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
@@ -417,6 +439,7 @@ class ModelRunner:
         self.spec_counts["draft_tokens"] += int(np.asarray(num)[:n].sum())
         self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
         self.spec_counts["verify_rows"] += n
+        self._update_acceptance(requests, np.asarray(num), commit_lens)
         return {
             r.request_id: row[: commit_lens[i]]
             for i, (r, row) in enumerate(zip(requests, samples, strict=True))

@@ -70,6 +70,9 @@ class Request:
     # prefill donates a recurrent-state checkpoint (a chunk ends at each).
     num_cached_tokens: int = 0
     donate_depths: tuple[int, ...] = ()
+    # Speculative decoding: recent draft acceptance (EMA) and verifies without drafts since.
+    spec_acceptance: float = 1.0
+    spec_skipped: int = 0
 
     @property
     def num_tokens(self) -> int:

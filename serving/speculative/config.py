@@ -14,6 +14,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft checkpoint path (draft_model)
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # Requests whose recent acceptance falls below this stop drafting (probing now and then);
+    # 0 always drafts.
+    min_acceptance: float = 0.25
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -40,6 +43,10 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative method 'draft_model' needs 'model' (a path or model)")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(
+                f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "

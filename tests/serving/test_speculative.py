@@ -99,6 +99,18 @@ def test_oracle_greedy_equals_plain(model, reference, case):
     assert_drained(llm)
 
 
+def test_adaptive_drafting_backs_off_when_drafts_fail(model, reference):
+    """Requests whose drafts keep failing stop drafting (one-token windows); output unchanged."""
+    never = oracle(model, reference, ERRORS["none_accepted"])
+    runs = {}
+    for floor in (0.0, 0.25):
+        spec = {"method": "ngram", "num_draft_tokens": K, "min_acceptance": floor}
+        llm = spec_llm(model, never, speculative=spec)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+        runs[floor] = llm.metrics()["spec_draft_tokens"]
+    assert 0 < runs[0.25] < runs[0.0] / 2, runs
+
+
 def test_ngram_greedy_equals_plain(model, reference):
     # A repetitive prompt so that prompt lookup proposes (and some drafts are accepted).
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]
