@@ -8,7 +8,9 @@ bucket size so that a few compiled shapes serve any step:
   block-table row of `NULL_PAGE`, start 0 and length 0, greedy sampling);
 - prefill tokens to the smallest of `token_buckets` that holds the longest chunk (beyond the
   largest bucket: a multiple of it);
-- block tables to a fixed width, `max_pages_per_seq`, so their shape never varies.
+- block tables to a power-of-two width (at least `MIN_TABLE_WIDTH` pages, at most
+  `max_pages_per_seq`) that holds the step's longest row: the XLA attention reads every page
+  of a row's table, so a pool-wide width would make a short request read the whole pool.
 
 Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True`, then the
 decode scan). A first chunk (`start == 0`) zeroes its state slot first, since the slot may hold
@@ -59,6 +61,10 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _reset(cache, slots):
     return cache._replace(kda=reset_slots(cache.kda, slots))
+
+
+# Smallest block-table width in pages: few enough widths to compile, small enough to read.
+MIN_TABLE_WIDTH = 16
 
 
 class Sample(NamedTuple):
@@ -214,6 +220,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.max_pages_per_seq = max_pages_per_seq or (num_pages - 1)
+        self._width = self.max_pages_per_seq
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
         cache = init_cache(
@@ -228,7 +235,15 @@ class ModelRunner:
     # ---- host-side batch building ----------------------------------------------------------
 
     def _table(self, allocator: PageAllocator, rid: Hashable) -> np.ndarray:
-        return allocator.block_table_row(rid, self.max_pages_per_seq)
+        return allocator.block_table_row(rid, self._width)
+
+    def _set_width(self, allocator: PageAllocator, rids) -> None:
+        """The step's block-table width (see the module docstring)."""
+        need = max(len(allocator.pages(rid)) for rid in rids)
+        width = MIN_TABLE_WIDTH
+        while width < need:
+            width *= 2
+        self._width = min(width, self.max_pages_per_seq)
 
     def _batch(self, slots, table, start, lengths) -> Batch:
         return Batch(
@@ -241,7 +256,7 @@ class ModelRunner:
     def _arrays(self, b: int):
         return (
             np.full(b, NULL_SLOT, np.int32),
-            np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32),
+            np.full((b, self._width), NULL_PAGE, np.int32),
             np.zeros(b, np.int32),
             np.zeros(b, np.int32),
         )
@@ -298,6 +313,7 @@ class ModelRunner:
 
     def _prefill(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         chunks = output.prefill
+        self._set_width(allocator, [c.request.request_id for c in chunks])
         b = bucket(len(chunks), self.batch_buckets)
         t = bucket(max(c.length for c in chunks), self.token_buckets)
         slots, table, start, lengths = self._arrays(b)
@@ -339,6 +355,7 @@ class ModelRunner:
 
     def _decode(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         requests = output.decode
+        self._set_width(allocator, [r.request_id for r in requests])
         b = bucket(len(requests), self.batch_buckets)
         slots, table, start, lengths = self._arrays(b)
         ids = np.zeros(b, np.int32)
@@ -391,6 +408,7 @@ class ModelRunner:
     def _verify(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""
         requests = output.decode
+        self._set_width(allocator, [r.request_id for r in requests])
         b = bucket(len(requests), self.batch_buckets)
         slots, table, start, lengths = self._arrays(b)
         last = np.zeros(b, np.int32)
