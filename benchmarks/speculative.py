@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         chunk_size=a.prompt_len,
         batch_buckets=tuple(batches),
         token_buckets=(a.prompt_len,),
+        # Timed runs repeat the warm-up's prompts: a prefix-cache hit would change (and
+        # compile) what is timed. Prefix caching has its own benchmark (prefix_cache.py).
+        enable_prefix_caching=False,
     )
     spec = {"num_draft_tokens": k}
 

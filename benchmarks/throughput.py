@@ -154,6 +154,9 @@ def make_llm(path: str, batches: list[int], prompt_len: int, max_tokens: int, **
         chunk_size=prompt_len,
         batch_buckets=sorted(set(batches)),
         token_buckets=(prompt_len,),
+        # Timed runs repeat the warm-up's prompts: a prefix-cache hit would change (and
+        # compile) what is timed. Prefix caching has its own benchmark (prefix_cache.py).
+        enable_prefix_caching=False,
         **extra,
     )
 
