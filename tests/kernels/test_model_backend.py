@@ -7,6 +7,7 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from kernels.mla_decode import kernel_supports, mla_paged_attention
@@ -17,6 +18,9 @@ from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 
 
+# Slow (~30 s in interpret mode): the kernel itself is tested against the reference in
+# test_mla_decode.py by default; this checks the model wiring through it.
+@pytest.mark.slow
 def test_verify_window_with_kernel_backend():
     cfg = preset("tiny", qk_rope_head_dim=16)  # L = 32, R = 16: dims the kernel takes
     assert kernel_supports(cfg.kv_lora_rank, cfg.qk_rope_head_dim, 16)
