@@ -33,7 +33,7 @@ def checkpoint_depth(prefix_len: int, extend_len: int, state_chunk: int, tree_pa
     """Where a finished prefill of `extend_len` tokens after a `prefix_len` hit donates its
     state: the deepest multiple of lcm(state_chunk, tree_page) within the sequence, or None when
     that is not past the prefix (nothing new to donate)."""
-    grid = checkpoint_grid_of(state_chunk, tree_page)
+    grid = math.lcm(state_chunk, tree_page)
     depth = (prefix_len + extend_len) // grid * grid
     return depth if depth > prefix_len else None
 
@@ -41,12 +41,8 @@ def checkpoint_depth(prefix_len: int, extend_len: int, state_chunk: int, tree_pa
 def branching_depth(full_kv_hit: int, state_chunk: int, tree_page: int) -> int:
     """For a KV hit deeper than the checkpoint hit: the grid depth where a new checkpoint lets
     later requests branch off the shared KV."""
-    grid = checkpoint_grid_of(state_chunk, tree_page)
+    grid = math.lcm(state_chunk, tree_page)
     return full_kv_hit // grid * grid
-
-
-def checkpoint_grid_of(state_chunk: int, tree_page: int) -> int:
-    return math.lcm(state_chunk, tree_page)
 
 
 @dataclasses.dataclass(eq=False)

@@ -46,7 +46,7 @@ from serving.allocator import NULL_PAGE, PageAllocator
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
 from serving.speculative.verify import verify_step
-from serving.state_pool import NULL_SLOT, StatePool, copy_slots, reset_slots
+from serving.state_pool import NULL_SLOT, StatePool, copy_slots, reset_cache_slots
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -56,11 +56,6 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
             return b
     top = buckets[-1]
     return -(-n // top) * top
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _reset(cache, slots):
-    return cache._replace(kda=reset_slots(cache.kda, slots))
 
 
 # Smallest block-table width in pages: few enough widths to compile, small enough to read.
@@ -329,7 +324,7 @@ class ModelRunner:
             if c.is_first:
                 fresh[i] = slots[i]
         if fresh.any():
-            self.cache = _reset(self.cache, jnp.asarray(fresh))
+            self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh))
         has_prefix = any(c.start > 0 for c in chunks)
         ids, batch = jnp.asarray(ids), self._batch(slots, table, start, lengths)
         logits, self.cache = prefill_step(

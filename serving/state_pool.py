@@ -108,3 +108,9 @@ def copy_slots(cache, pairs: Sequence[tuple[int, int]], width: int):
     for i, (a, b) in enumerate(pairs):
         src[i], dst[i] = a, b
     return _copy_slots(cache, jnp.asarray(src), jnp.asarray(dst))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def reset_cache_slots(cache, slots):
+    """`reset_slots` on a ModelCache's KDA states (a fresh request's slot), cache donated."""
+    return cache._replace(kda=reset_slots(cache.kda, slots))

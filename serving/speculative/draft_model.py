@@ -21,7 +21,7 @@ from kimi_linear_jax.cache import init_cache
 from kimi_linear_jax.generation import shard_cache
 from kimi_linear_jax.model import HashedGraph, commit_kda, merge, prefill_step
 from serving.speculative.drafter import Drafter
-from serving.state_pool import copy_slots, reset_slots
+from serving.state_pool import copy_slots, reset_cache_slots
 
 
 @functools.partial(
@@ -52,11 +52,6 @@ def _rollback(cache, per_step, slots, commit_lens):
     return commit_kda(cache, per_step, slots, commit_lens)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _reset(cache, slots):
-    return cache._replace(kda=reset_slots(cache.kda, slots))
-
-
 class DraftModelDrafter(Drafter):
     def __init__(self, model, *, num_pages, tokens_per_page, num_slots, mesh=None) -> None:
         self.config = model.config
@@ -75,7 +70,7 @@ class DraftModelDrafter(Drafter):
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         if np.asarray(fresh_slots).any():
-            self.cache = _reset(self.cache, jnp.asarray(fresh_slots))
+            self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh_slots))
         _, self.cache = prefill_step(
             self.graphdef,
             self.params,

@@ -18,8 +18,7 @@ KDA_CHUNK = 64
 
 def checkpoint_grid(page_size: int, dcp_size: int = 1) -> int:
     """lcm(state_chunk, tree_page): the depths where recurrent-state checkpoints may live."""
-    state_chunk = max(KDA_CHUNK, page_size)
-    return math.lcm(state_chunk, page_size * dcp_size)
+    return math.lcm(max(KDA_CHUNK, page_size), page_size * dcp_size)
 
 
 def resolve_track_interval(requested: int | None, page_size: int, dcp_size: int = 1) -> int:
