@@ -205,7 +205,6 @@ def compiled_memory(llm: LLM, b: int, k: int, verify_fn, decode_fn) -> dict:
         zeros - 1,
         zeros - 1,
         mode="greedy",
-        mesh=r.mesh,
         commit_recurrent=r.commit_recurrent,
     )
     decode = decode_fn.lower(
@@ -220,7 +219,6 @@ def compiled_memory(llm: LLM, b: int, k: int, verify_fn, decode_fn) -> dict:
         mask,
         num_steps=1,
         mode="greedy",
-        mesh=r.mesh,
     )
     out = {"B": b}
     for name, lowered in (("verify", verify), ("decode", decode)):

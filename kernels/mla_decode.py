@@ -10,7 +10,7 @@ Split-K flash decoding: the grid runs over (row blocks, splits, B); each program
 of its split (page ids read from the block table), keeps an online softmax in f32 and writes a
 normalised partial (o, lse). The splits are merged by lse in plain jnp.
 
-The reference is `kimi_linear_jax.ops.mla.mla_paged_attention_reference`; run with
+The reference is `kernels.mla_reference.mla_paged_attention_reference`; run with
 `interpret=True` to execute on a CPU.
 """
 
@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from kimi_linear_jax.ops.mla import merge_stacked_partials
+from kernels.mla_reference import merge_stacked_partials
 
 # Enough programs to fill an H200 (132 SMs) about twice when the batch alone cannot.
 _TARGET_PROGRAMS = 256

@@ -18,9 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.parallel.mesh import SINGLE as ONE_DEVICE
+from kimi_linear_jax.parallel.mesh import Parallel, validate
+from kimi_linear_jax.parallel.rules import ShardingRules, var_spec
 from kimi_linear_jax.safetensors_file import (
     SafetensorsFile,
     SafetensorsFormatError,
@@ -157,37 +161,62 @@ def _match(slots: list[_Slot], where: dict[str, SafetensorsFile]) -> dict[_Slot,
     return used
 
 
-def _load_value(names: tuple[str, ...], where, dtype) -> jax.Array:
+def _host_value(names: tuple[str, ...], where, index: tuple = ()) -> np.ndarray:
+    """The block `index` of the parameter filled by `names`, read from the memory maps (only
+    the bytes of that block for a plain tensor; only the experts in it for stacked ones)."""
     try:
         if len(names) == 1:
-            return jnp.asarray(np.asarray(where[names[0]][names[0]]), dtype)
-        # Stacked experts: fill one host buffer expert by expert (one tensor in flight).
-        first = where[names[0]][names[0]]
-        buf = np.empty((len(names), *first.shape), first.dtype)
-        for i, n in enumerate(names):
-            buf[i] = where[n][n]
-        return jnp.asarray(buf, dtype)
+            return np.asarray(where[names[0]][names[0]][index])
+        # Stacked experts: one host buffer for the experts of this block, filled one by one.
+        experts = range(len(names))[index[0] if index else slice(None)]
+        rest = tuple(index[1:])
+        first = where[names[0]][names[0]][rest]
+        buf = np.empty((len(experts), *first.shape), first.dtype)
+        for i, e in enumerate(experts):
+            buf[i] = where[names[e]][names[e]][rest]
+        return buf
     except SafetensorsFormatError as e:
         raise CorruptCheckpointError(str(e)) from e
 
 
-def load_pretrained(path: str | os.PathLike, dtype="bfloat16") -> KimiLinearForCausalLM:
+def _load_value(names: tuple[str, ...], where, var, par, rules) -> jax.Array:
+    """One parameter: whole on the default device, or straight onto its shards (each device
+    reads its block from the memory maps; the whole tensor is never on one device)."""
+    dtype = var.dtype
+    if not par.sharded:
+        return jnp.asarray(_host_value(names, where), dtype)
+    sharding = NamedSharding(par.mesh, var_spec(var, rules))
+
+    def block(index):
+        return np.asarray(_host_value(names, where, index)).astype(dtype)
+
+    return jax.make_array_from_callback(tuple(var.shape), sharding, block)
+
+
+def load_pretrained(
+    path: str | os.PathLike, dtype="bfloat16", *, parallel: Parallel = ONE_DEVICE
+) -> KimiLinearForCausalLM:
     """Load a Kimi Linear checkpoint in the HF layout, tensor by tensor.
 
     Weights are cast to `dtype` ("bfloat16" or "float32"); parameters the model keeps in fp32
-    whatever its dtype (A_log, dt_bias, the router's correction bias) stay fp32.
+    whatever its dtype (A_log, dt_bias, the router's correction bias) stay fp32. `parallel`
+    (`parallel.mesh.make_parallel(read_config(path), tp, dcp)`) builds the model for its mesh
+    and puts every tensor straight onto its shards by the sharding rules.
     """
     path = os.fspath(path)
     config = read_config(path)
     dt = resolve_dtype(dtype)
-    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dt))
+    if parallel.sharded:
+        validate(config, parallel.tp, parallel.dcp, combine=parallel.combine)
+    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dt, par=parallel))
     graphdef, state = nnx.split(abstract)
     where = _open_files(path)
     used = _match(_slots(nnx.state(abstract, nnx.Param)), where)
     flat = dict(nnx.to_flat_state(state))
+    rules = ShardingRules.for_parallel(parallel)
     for slot, names in used.items():
         var = flat[slot.path]
-        flat[slot.path] = var.replace(_load_value(names, where, var.dtype))
+        flat[slot.path] = var.replace(_load_value(names, where, var, parallel, rules))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -197,17 +226,30 @@ DEFAULT_PRESET = "small"
 DEFAULT_VOCAB = 320
 
 
-def load_model_and_tokenizer(path: str | os.PathLike | None, dtype="float32"):
+def model_config(path: str | os.PathLike | None) -> KimiLinearConfig:
+    """The config of a checkpoint dir, or of the built-in default model (`path=None`), read
+    without loading weights (to check a parallel plan before the load)."""
+    if path is None:
+        from kimi_linear_jax.config import preset
+
+        return preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
+    return read_config(path)
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike | None, dtype="float32", *, parallel: Parallel = ONE_DEVICE
+):
     """(model, tokenizer or None) from a checkpoint dir, or for `path=None` the built-in
-    default model: seeded random weights and the byte-level tokenizer (its text is noise)."""
-    from kimi_linear_jax.config import preset
+    default model: seeded random weights and the byte-level tokenizer (its text is noise).
+    `parallel`: the plan to build the model for (see `load_pretrained`)."""
     from kimi_linear_jax.model import init_model
     from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
 
     if path is None:
-        cfg = preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
-        return init_model(cfg, seed=0, dtype=resolve_dtype(dtype)), ByteTokenizer(cfg.vocab_size)
-    model = load_pretrained(path, dtype=dtype)
+        cfg = model_config(None)
+        model = init_model(cfg, seed=0, dtype=resolve_dtype(dtype), par=parallel)
+        return model, ByteTokenizer(cfg.vocab_size)
+    model = load_pretrained(path, dtype=dtype, parallel=parallel)
     return model, load_tokenizer(path, model.config.vocab_size)
 
 

@@ -301,8 +301,8 @@ def _tiny() -> KimiLinearConfig:
         num_hidden_layers=4,
         kda_layers=(1, 2, 4),
         full_attn_layers=(3,),
-        linear_num_heads=2,
-        linear_head_dim=16,
+        linear_num_heads=4,  # 4 KDA and 4 MLA heads: TP 1, 2 and 4 all shard every layer
+        linear_head_dim=8,
         num_attention_heads=4,
         kv_lora_rank=32,
         qk_nope_head_dim=16,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_linear_jax.cache import ModelCache, contiguous_batch, init_cache
+from kimi_linear_jax.cache import contiguous_batch
 from kimi_linear_jax.model import KimiLinearForCausalLM, decode_step, prefill_step
+from kimi_linear_jax.parallel.rules import init_cache
 
 
 def greedy_generate(
@@ -22,15 +22,14 @@ def greedy_generate(
     *,
     eos_token_ids: Sequence[int] = (),
     page_size: int = 64,
-    dcp_size: int = 1,
 ) -> list[list[int]]:
     """Greedy continuations of a batch of token-id prompts (each stops at an eos id).
 
-    `dcp_size` > 1 spreads every sequence's MLA latent cache over that many devices (token p
-    on device p % dcp_size); `page_size` is then the per-device page.
+    A model built for a mesh (`model.par`) runs sharded; under DCP every sequence's MLA latent
+    cache is spread over the DCP group (token p on rank p % dcp) and `page_size` is the
+    per-device page.
     """
     cfg = model.config
-    mesh = dcp_mesh(dcp_size)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: every prompt needs at least one token")
     if max_new_tokens <= 0:
@@ -46,20 +45,23 @@ def greedy_generate(
             f"{cfg.model_max_length}"
         )
     graphdef, params = nnx.split(model)
-    # Pages are virtual under DCP: page_size * dcp_size tokens, 1/dcp_size on each device.
-    page_size *= dcp_size
+    # Pages are virtual under DCP: page_size * dcp tokens, 1/dcp of them on each device.
+    page_size *= model.par.dcp
     n_pages = -(-total // page_size)
     cache = init_cache(
-        cfg, num_slots=B + 1, num_pages=B * n_pages, page_size=page_size, dtype=model.dtype
+        cfg,
+        model.par,
+        num_slots=B + 1,
+        num_pages=B * n_pages,
+        page_size=page_size,
+        dtype=model.dtype,
     )
-    if mesh is not None:
-        cache = shard_cache(cache, mesh)
     ids = np.zeros((B, longest), np.int32)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     batch = contiguous_batch(B, total, page_size, lengths=lengths)
-    logits, cache = prefill_step(graphdef, params, jnp.asarray(ids), cache, batch, mesh=mesh)
+    logits, cache = prefill_step(graphdef, params, jnp.asarray(ids), cache, batch)
     out: list[list[int]] = [[] for _ in range(B)]
     done = np.zeros(B, bool)
     eos = set(int(e) for e in eos_token_ids)
@@ -75,32 +77,6 @@ def greedy_generate(
         batch = batch._replace(
             start=jnp.asarray(start), lengths=jnp.asarray(np.where(done, 0, 1).astype(np.int32))
         )
-        logits, cache = decode_step(
-            graphdef, params, jnp.asarray(nxt[:, None]), cache, batch, mesh=mesh
-        )
+        logits, cache = decode_step(graphdef, params, jnp.asarray(nxt[:, None]), cache, batch)
         start = start + np.where(done, 0, 1).astype(np.int32)
     return out
-
-
-def dcp_mesh(dcp_size: int):
-    """A 1-D mesh named 'dcp' over the first `dcp_size` devices; None for one device."""
-    if dcp_size < 1:
-        raise ValueError(f"dcp_size must be >= 1, got {dcp_size}")
-    devices = jax.devices()
-    if dcp_size > len(devices):
-        raise ValueError(f"dcp_size ({dcp_size}) is larger than the device count ({len(devices)})")
-    if dcp_size == 1:
-        return None
-    return jax.sharding.Mesh(np.array(devices[:dcp_size]), ("dcp",))
-
-
-def shard_cache(cache: ModelCache, mesh) -> ModelCache:
-    """MLA latents sharded over the in-page token axis; KDA states replicated on every rank."""
-    from kernels.dcp import cache_sharding
-
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    kda = jax.device_put(cache.kda, replicated)
-    mla = tuple(
-        m._replace(latent=jax.device_put(m.latent, cache_sharding(mesh))) for m in cache.mla
-    )
-    return ModelCache(kda, mla)

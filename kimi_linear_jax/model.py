@@ -4,6 +4,7 @@ Entries:
 - `model(input_ids)`: int32 [B, T] -> f32 logits [B, T, vocab]; no cache; differentiable.
 - `model.prefill(ids, cache, batch)`: a chunk of new tokens per row (chunked KDA, naive MLA),
   caches in and out.
+Built for a mesh (`par=`, `parallel.rules.shard_model`), each entry is one shard_map over it.
 - `model.decode(ids, cache, batch)`: T >= 1 new tokens per row (KDA window, absorbed MLA over
   the paged cache); `model.verify` is the same pass with the KDA commit left to the caller.
 For jitted serving steps use `prefill_step` / `decode_step` on `nnx.split(model)`.
@@ -16,62 +17,55 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kimi_linear_jax.cache import Batch, KDAState, ModelCache
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.block import DecoderBlock
+from kimi_linear_jax.layers.block import DecoderBlock, scatter_rows, state_rows
 from kimi_linear_jax.layers.kda import commit
 from kimi_linear_jax.layers.linear import Embed, Linear
 from kimi_linear_jax.layers.norm import RMSNorm
-from kimi_linear_jax.ops.mla import mla_paged_attention_reference
-
-
-def auto_backend(q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale):
-    """Paged MLA attention: the Pallas kernel on a GPU when it takes the dims, else the XLA
-    reference (a CPU engine must be fast; the kernel's interpret mode is for tests only)."""
-    if jax.default_backend() == "gpu":
-        from kernels.mla_decode import kernel_supports, mla_paged_attention
-
-        if kernel_supports(q_lat.shape[-1], q_pe.shape[-1], cache.shape[1]):
-            return mla_paged_attention(q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale)
-    return mla_paged_attention_reference(
-        q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale
-    )
-
-
-DEFAULT_BACKEND = auto_backend
+from kimi_linear_jax.parallel import rules as sharding_rules
+from kimi_linear_jax.parallel.mesh import SINGLE, TP_AXES, Parallel, shard_map
 
 
 class Backbone(nnx.Module):
     """The `model.*` part of the checkpoint."""
 
-    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, par: Parallel):
+        self.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs, par=par
+        )
         self.layers = nnx.List(
             [
-                DecoderBlock(config, i, dtype=dtype, rngs=rngs)
+                DecoderBlock(config, i, dtype=dtype, rngs=rngs, par=par)
                 for i in range(config.num_hidden_layers)
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
-def _rows(state: KDAState, slots: jax.Array) -> KDAState:
-    return KDAState(*(a[slots] for a in state))
-
-
-def _scatter(state: KDAState, slots: jax.Array, rows: KDAState) -> KDAState:
-    return KDAState(*(a.at[slots].set(r.astype(a.dtype)) for a, r in zip(state, rows)))
-
-
 class KimiLinearForCausalLM(nnx.Module):
+    """`par` (static): the parallel plan the model is built for (`parallel.mesh.make_parallel`;
+    default one device). Built for a mesh, every entry runs as one shard_map over it: parameters
+    and caches enter as the rank's shards, logits leave vocab-sharded."""
+
     def __init__(
-        self, config: KimiLinearConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None
+        self,
+        config: KimiLinearConfig,
+        *,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        par: Parallel = SINGLE,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
-        self.model = Backbone(config, dtype=dtype, rngs=rngs)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+        self.par = par
+        self.model = Backbone(config, dtype=dtype, rngs=rngs, par=par)
+        lm_axes = ("vocab", None)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs, axes=lm_axes
+        )
 
     @property
     def dtype(self):
@@ -87,11 +81,67 @@ class KimiLinearForCausalLM(nnx.Module):
         logits = self.lm_head(self.model.norm(x))
         return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # f64 stays f64
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    # ---- the one layer loop ------------------------------------------------------------------
+    def _layers(self, x, cache: ModelCache, run):
+        """x through every block; `run(block, x, layer_cache) -> (x, layer_cache, steps)`."""
+        caches = {"kda": iter(cache.kda), "mla": iter(cache.mla)}
+        out = {"kda": [], "mla": []}
+        per_step = []
+        for block in self.model.layers:
+            x, layer_cache, steps = run(block, x, next(caches[block.kind]))
+            out[block.kind].append(layer_cache)
+            if steps is not None:
+                per_step.append(steps)
+        return x, ModelCache(tuple(out["kda"]), tuple(out["mla"])), tuple(per_step)
+
+    # ---- rank-local entries (the whole model on one device) ----------------------------------
+    def _forward(self, input_ids):
         x = self.model.embed_tokens(input_ids)
         for block in self.model.layers:
             x = block(x)
         return self._logits(x)
+
+    def _prefill(self, input_ids, cache, batch, has_prefix, last_only):
+        def run(block, x, c):
+            return (*block.prefill(x, c, batch, has_prefix=has_prefix), None)
+
+        x, cache, _ = self._layers(self.model.embed_tokens(input_ids), cache, run)
+        if last_only:
+            idx = jnp.maximum(batch.lengths - 1, 0)
+            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+        return self._logits(x), cache
+
+    def _verify(self, input_ids, cache, batch):
+        def run(block, x, c):
+            return block.verify(x, c, batch)
+
+        x, cache, per_step = self._layers(self.model.embed_tokens(input_ids), cache, run)
+        return self._logits(x), cache, per_step
+
+    # ---- entries ------------------------------------------------------------------------------
+    def _sharded(self, fn, args, arg_specs, out_specs):
+        """fn(model, *args) on one device, or as one shard_map over the plan's mesh."""
+        if not self.par.sharded:
+            return fn(self, *args)
+        graphdef, state = nnx.split(self)
+        rules = sharding_rules.ShardingRules.for_parallel(self.par)
+
+        def local(state, *args):
+            return fn(nnx.merge(graphdef, state), *args)
+
+        in_specs = (sharding_rules.param_specs(state, rules), *arg_specs)
+        return shard_map(local, self.par.mesh, in_specs, out_specs)(state, *args)
+
+    def _cache_specs(self, cache):
+        return sharding_rules.cache_specs(
+            cache, sharding_rules.ShardingRules.for_parallel(self.par)
+        )
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """int32 [B, T] -> f32 logits [B, T, vocab]; no cache; differentiable."""
+        return self._sharded(
+            KimiLinearForCausalLM._forward, (input_ids,), (P(),), P(None, None, TP_AXES)
+        )
 
     def prefill(
         self,
@@ -100,76 +150,38 @@ class KimiLinearForCausalLM(nnx.Module):
         batch: Batch,
         *,
         has_prefix: bool = False,
-        backend=DEFAULT_BACKEND,
         last_only: bool = False,
-        mesh=None,
     ) -> tuple[jax.Array, ModelCache]:
         """Run a right-padded chunk [B, T] (row b has batch.lengths[b] tokens after
         batch.start[b] cached ones). `has_prefix` (static) attends to cached tokens too; leave
         it False when every row starts at 0. `last_only` returns logits of each row's last
-        valid token only: [B, vocab]. `mesh` (static): a mesh with a 'dcp' axis whose MLA
-        caches are sharded over it (decode context parallelism); None for one device."""
-        x = self.model.embed_tokens(input_ids)
-        kda, mla = list(cache.kda), list(cache.mla)
-        ik = im = 0
-        for block in self.model.layers:
-            h = block.input_layernorm(x)
-            if block.kind == "kda":
-                y, new = block.self_attn.prefill(h, _rows(kda[ik], batch.slots), batch.lengths)
-                kda[ik] = _scatter(kda[ik], batch.slots, new)
-                ik += 1
-            else:
-                y, mla[im] = block.self_attn.prefill(
-                    h, mla[im], batch, has_prefix=has_prefix, backend=backend, mesh=mesh
-                )
-                im += 1
-            x = block.ffn(x + y)
-        if last_only:
-            idx = jnp.maximum(batch.lengths - 1, 0)
-            x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
-        return self._logits(x), ModelCache(tuple(kda), tuple(mla))
+        valid token only: [B, vocab]."""
+        fn = functools.partial(
+            KimiLinearForCausalLM._prefill, has_prefix=has_prefix, last_only=last_only
+        )
+        cs = self._cache_specs(cache)
+        logits = P(None, TP_AXES) if last_only else P(None, None, TP_AXES)
+        return self._sharded(fn, (input_ids, cache, batch), (P(), cs, P()), (logits, cs))
 
     def verify(
-        self,
-        input_ids: jax.Array,
-        cache: ModelCache,
-        batch: Batch,
-        *,
-        backend=DEFAULT_BACKEND,
-        mesh=None,
+        self, input_ids: jax.Array, cache: ModelCache, batch: Batch
     ) -> tuple[jax.Array, ModelCache, tuple[KDAState, ...]]:
         """Window pass over [B, T] new tokens. MLA rows are written; KDA states are NOT
         committed: returns the per-step states of every KDA layer (`KDAState` arrays with a
         step axis) for `commit_kda` to pick from once the accepted length is known."""
-        x = self.model.embed_tokens(input_ids)
-        mla = list(cache.mla)
-        per_step = []
-        ik = im = 0
-        for block in self.model.layers:
-            h = block.input_layernorm(x)
-            if block.kind == "kda":
-                y, steps = block.self_attn.decode(
-                    h, _rows(cache.kda[ik], batch.slots), batch.lengths
-                )
-                per_step.append(steps)
-                ik += 1
-            else:
-                y, mla[im] = block.self_attn.decode(h, mla[im], batch, backend=backend, mesh=mesh)
-                im += 1
-            x = block.ffn(x + y)
-        return self._logits(x), ModelCache(cache.kda, tuple(mla)), tuple(per_step)
+        cs = self._cache_specs(cache)
+        rules = sharding_rules.ShardingRules.for_parallel(self.par)
+        steps = sharding_rules.per_step_specs(len(cache.kda), rules)
+        out = (P(None, None, TP_AXES), cs, steps)
+        return self._sharded(
+            KimiLinearForCausalLM._verify, (input_ids, cache, batch), (P(), cs, P()), out
+        )
 
     def decode(
-        self,
-        input_ids: jax.Array,
-        cache: ModelCache,
-        batch: Batch,
-        *,
-        backend=DEFAULT_BACKEND,
-        mesh=None,
+        self, input_ids: jax.Array, cache: ModelCache, batch: Batch
     ) -> tuple[jax.Array, ModelCache]:
         """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]."""
-        logits, cache, per_step = self.verify(input_ids, cache, batch, backend=backend, mesh=mesh)
+        logits, cache, per_step = self.verify(input_ids, cache, batch)
         return logits, commit_kda(cache, per_step, batch.slots, batch.lengths)
 
 
@@ -177,11 +189,12 @@ def commit_kda(
     cache: ModelCache, per_step: tuple[KDAState, ...], slots: jax.Array, n: jax.Array
 ) -> ModelCache:
     """Store in each row's slot the KDA state and conv windows after step n[b] - 1 of the
-    window, for every KDA layer (n = 0 leaves the slot unchanged)."""
+    window, for every KDA layer (n = 0 leaves the slot unchanged). Works on sharded states
+    as they are: it indexes the slot axis only."""
     kda = []
     for state, steps in zip(cache.kda, per_step):
-        rows = _rows(state, slots)
-        kda.append(_scatter(state, slots, commit(rows, steps, n)))
+        rows = state_rows(state, slots)
+        kda.append(scatter_rows(state, slots, commit(rows, steps, n)))
     return ModelCache(tuple(kda), cache.mla)
 
 
@@ -198,9 +211,12 @@ def set_kda_impl(model: KimiLinearForCausalLM, impl: str) -> KimiLinearForCausal
     return model
 
 
-def init_model(config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32):
-    """A randomly initialised model (seeded, reproducible)."""
-    return KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+def init_model(
+    config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32, par: Parallel = SINGLE
+):
+    """A randomly initialised model (seeded, reproducible), placed on `par`'s mesh."""
+    model = KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    return sharding_rules.shard_model(model, par) if par.sharded else model
 
 
 # ---- jitted steps over nnx.split(model) ------------------------------------------------------
@@ -230,23 +246,16 @@ def merge(graphdef, params):
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "has_prefix", "last_only", "mesh"),
-    donate_argnames=("cache",),
+    jax.jit, static_argnames=("graphdef", "has_prefix", "last_only"), donate_argnames=("cache",)
 )
-def prefill_step(
-    graphdef, params, input_ids, cache, batch, has_prefix=False, last_only=True, mesh=None
-):
+def prefill_step(graphdef, params, input_ids, cache, batch, has_prefix=False, last_only=True):
     model = merge(graphdef, params)
-    return model.prefill(
-        input_ids, cache, batch, has_prefix=has_prefix, last_only=last_only, mesh=mesh
-    )
+    return model.prefill(input_ids, cache, batch, has_prefix=has_prefix, last_only=last_only)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("cache",))
-def decode_step(graphdef, params, input_ids, cache, batch, mesh=None):
-    model = merge(graphdef, params)
-    return model.decode(input_ids, cache, batch, mesh=mesh)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def decode_step(graphdef, params, input_ids, cache, batch):
+    return merge(graphdef, params).decode(input_ids, cache, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -21,12 +21,12 @@ import random
 import time
 from collections.abc import Sequence
 
-import jax
 from tqdm.auto import tqdm
 
-from kimi_linear_jax.checkpoint import load_model_and_tokenizer
-from kimi_linear_jax.generation import dcp_mesh
+from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
 from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel, validate
+from kimi_linear_jax.parallel.rules import shard_model
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.prefix_cache import PrefixCache
@@ -76,14 +76,36 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def _load_model(model, dtype: str, tokenizer):
-    """(model, tokenizer) from None (built-in default), a path, or a model instance."""
+def _config_of(model):
+    """The model's config without loading weights (None, a path or a model instance)."""
     if isinstance(model, KimiLinearForCausalLM):
-        return model, tokenizer
+        return model.config
     if model is None or isinstance(model, str | os.PathLike):
-        built, found = load_model_and_tokenizer(model, dtype)
-        return built, tokenizer if tokenizer is not None else found
+        return model_config(model)
     raise TypeError(f"model must be None, a path or a KimiLinearForCausalLM, got {type(model)}")
+
+
+def _load_model(model, dtype: str, tokenizer, par: Parallel = SINGLE):
+    """(model, tokenizer) from None (built-in default), a path, or a model instance, built
+    for the plan `par` (a given instance is placed onto its mesh)."""
+    if isinstance(model, KimiLinearForCausalLM):
+        if model.par != par:
+            model = shard_model(model, par)
+        return model, tokenizer
+    built, found = load_model_and_tokenizer(model, dtype, parallel=par)
+    return built, tokenizer if tokenizer is not None else found
+
+
+def _draft_plan(config, par: Parallel) -> Parallel:
+    """The draft model shares the target's mesh when its shapes divide by the TP degree;
+    otherwise it runs whole on one device (it is small; its caches follow it)."""
+    if not par.sharded:
+        return par
+    try:
+        validate(config, par.tp, par.dcp, combine=par.combine)
+    except ValueError:
+        return SINGLE
+    return par
 
 
 @dataclasses.dataclass
@@ -112,7 +134,10 @@ class LLM:
         num_pages: int = 256,
         max_num_batched_tokens: int = 256,
         chunk_size: int = 64,
-        dcp_size: int = 1,
+        tensor_parallel_size: int | None = None,
+        dcp_size: int | None = None,
+        replicate_q_proj: bool = False,
+        dcp_combine: str = "ag_rs",
         seed: int = 0,
         max_model_len: int | None = None,
         num_scheduler_steps: int = 1,
@@ -124,10 +149,6 @@ class LLM:
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
     ) -> None:
-        if dcp_size < 1 or dcp_size > jax.device_count():
-            raise ValueError(
-                f"dcp_size must be in [1, device count {jax.device_count()}], got {dcp_size}"
-            )
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("num_scheduler_steps", num_scheduler_steps),
@@ -137,10 +158,20 @@ class LLM:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
-        # Option errors before the (possibly slow) model load.
+        # Option errors before the (possibly slow) model load; the parallel plan is checked
+        # against the config alone (heads, experts, vocab vs the TP degree, devices present).
         self.speculative = SpeculativeConfig.parse(speculative)
+        par = make_parallel(
+            _config_of(model),
+            tensor_parallel_size,
+            dcp_size,
+            replicate_q_proj=replicate_q_proj,
+            combine=dcp_combine,
+        )
+        dcp_size = par.dcp
+        self.parallel = par
         self.track_interval = resolve_track_interval(track_interval, page_size, dcp_size)
-        self.model, self.tokenizer = _load_model(model, dtype, tokenizer)
+        self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
         tokens_per_page = page_size * dcp_size
         pool_tokens = (num_pages - 1) * tokens_per_page
@@ -174,7 +205,6 @@ class LLM:
             num_pages=num_pages,
             page_size=page_size,
             num_slots=num_slots,
-            dcp_size=dcp_size,
             max_pages_per_seq=self.allocator.pages_for(self.max_model_len),
             batch_buckets=batch_buckets,
             token_buckets=token_buckets,
@@ -363,7 +393,8 @@ class LLM:
             return None
         if spec.method == "ngram":
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        draft, _ = _load_model(spec.model, dtype, None)
+        draft_par = _draft_plan(_config_of(spec.model), self.parallel)
+        draft, _ = _load_model(spec.model, dtype, None, draft_par)
         if draft.config.vocab_size != self.config.vocab_size:
             raise ValueError(
                 f"speculative draft model vocab_size {draft.config.vocab_size} != target "
@@ -374,7 +405,6 @@ class LLM:
             num_pages=self.num_pages,
             tokens_per_page=self.page_size * self.dcp_size,
             num_slots=self.runner_slots,
-            mesh=dcp_mesh(self.dcp_size),
         )
 
     def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_linear_jax.cache import Batch, init_cache
-from kimi_linear_jax.generation import dcp_mesh, shard_cache
+from kimi_linear_jax.cache import Batch
 from kimi_linear_jax.model import HashedGraph, merge, prefill_step
+from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, PageAllocator
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
 from serving.scheduler import Request, SchedulerOutput
@@ -93,7 +93,7 @@ _pick_jit = jax.jit(_pick, static_argnames=("mode",))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "num_steps", "mode", "mesh"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("graphdef", "num_steps", "mode"), donate_argnames=("cache",)
 )
 def _decode_steps(
     graphdef,
@@ -108,7 +108,6 @@ def _decode_steps(
     *,
     num_steps,
     mode,
-    mesh,
 ):
     """`num_steps` decode steps in one `lax.scan`, each feeding back the token it picked.
 
@@ -124,7 +123,7 @@ def _decode_steps(
         token, cache, counts = carry
         active = (i < steps_left).astype(jnp.int32)
         b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
-        logits, cache = model.decode(token[:, None], cache, b, mesh=mesh)
+        logits, cache = model.decode(token[:, None], cache, b)
         picked = _pick(
             logits[:, 0], sampling._replace(step=sampling.step + i), counts, prompt_mask, mode
         )
@@ -176,7 +175,6 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         num_slots: int,
-        dcp_size: int = 1,
         max_pages_per_seq: int | None = None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
@@ -206,26 +204,26 @@ class ModelRunner:
         self.config = model.config
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
-        self.mesh = dcp_mesh(dcp_size)
-        self.dcp_size = dcp_size
+        # The model is built for its mesh (model.par); the caches follow its sharding rules.
+        self.par = model.par
         self.page_size = page_size
-        # An allocator page is a virtual page of page_size * dcp_size tokens (page_size on
-        # each rank); the cache holds the virtual page, sharded over its in-page axis.
-        self.tokens_per_page = page_size * dcp_size
+        # An allocator page is a virtual page of page_size * dcp tokens (page_size on each
+        # DCP rank); the cache holds the virtual page, sharded over its in-page axis.
+        self.tokens_per_page = page_size * self.par.dcp
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.max_pages_per_seq = max_pages_per_seq or (num_pages - 1)
         self._width = self.max_pages_per_seq
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
-        cache = init_cache(
+        self.cache = init_cache(
             self.config,
+            self.par,
             num_slots=num_slots,
             num_pages=num_pages,
             page_size=self.tokens_per_page,
             dtype=model.dtype,
         )
-        self.cache = shard_cache(cache, self.mesh) if self.mesh is not None else cache
 
     # ---- host-side batch building ----------------------------------------------------------
 
@@ -335,7 +333,6 @@ class ModelRunner:
             batch,
             has_prefix=has_prefix,
             last_only=True,
-            mesh=self.mesh,
         )
         if self.drafter is not None:
             self.drafter.prefill(ids, batch, fresh, has_prefix)
@@ -377,7 +374,6 @@ class ModelRunner:
             *self._sampling_inputs(rows, b, mode),
             num_steps=num_steps,
             mode=mode,
-            mesh=self.mesh,
         )
         samples = _samples(jax.device_get(picked), rows, mode)  # one transfer
         return {
@@ -439,7 +435,6 @@ class ModelRunner:
             jnp.asarray(track_slots),
             jnp.asarray(track_steps),
             mode=mode,
-            mesh=self.mesh,
             commit_recurrent=self.commit_recurrent,
             track=bool(output.track),
         )

@@ -10,7 +10,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import KDAState
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import Linear, acc_dtype, init_uniform
+from kimi_linear_jax.layers.linear import Linear, acc_dtype, init_uniform, param
 from kimi_linear_jax.layers.norm import GatedRMSNorm
 from kimi_linear_jax.layers.short_conv import (
     ShortConv,
@@ -36,27 +36,32 @@ class KDA(nnx.Module):
         W = config.short_conv_kernel_size
         self.num_heads, self.head_dim = H, d
         self.prefill_impl = "auto"  # see ops.kda.kda_prefill; `set_kda_impl` changes it
-        self.q_proj = Linear(D, P, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(D, P, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(D, P, dtype=dtype, rngs=rngs)
+        # Under TP every per-head tensor is sharded by heads ("heads"; P = H * d is head-major),
+        # the low-rank f_a / g_a stay whole, and o_proj is row-parallel (the block all-reduces).
+        col = dict(dtype=dtype, rngs=rngs, axes=("heads", None))
+        self.q_proj = Linear(D, P, **col)
+        self.k_proj = Linear(D, P, **col)
+        self.v_proj = Linear(D, P, **col)
         self.q_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
         self.k_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
         self.v_conv1d = ShortConv(P, W, dtype=dtype, rngs=rngs)
         # Decay parameters stay fp32 whatever the model dtype: the state is sensitive to them.
-        self.A_log = nnx.Param(jnp.log(init_uniform(rngs, (1, 1, H, 1), 1.0, 16.0)))
+        a_log = jnp.log(init_uniform(rngs, (1, 1, H, 1), 1.0, 16.0))
+        self.A_log = param(a_log, (None, None, "heads", None))
         dt = jnp.exp(init_uniform(rngs, (P,), -6.9, -2.3))  # dt in [1e-3, 1e-1]
-        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus
+        self.dt_bias = param(dt + jnp.log(-jnp.expm1(-dt)), ("heads",))  # inverse softplus
         self.f_a_proj = Linear(D, d, dtype=dtype, rngs=rngs)
-        self.f_b_proj = Linear(d, P, dtype=dtype, rngs=rngs)
-        self.b_proj = Linear(D, H, dtype=dtype, rngs=rngs)
+        self.f_b_proj = Linear(d, P, **col)
+        self.b_proj = Linear(D, H, **col)
         self.g_a_proj = Linear(D, d, dtype=dtype, rngs=rngs)
-        self.g_b_proj = Linear(d, P, dtype=dtype, rngs=rngs)
+        self.g_b_proj = Linear(d, P, **col)
         self.o_norm = GatedRMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.o_proj = Linear(P, D, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(P, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
 
     # ---- pieces ----------------------------------------------------------------------------
     def _heads(self, x: jax.Array) -> jax.Array:
-        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        # -1: the heads this rank holds (all of them on one device).
+        return x.reshape(*x.shape[:-1], -1, self.head_dim)
 
     def _decay(self, x: jax.Array) -> jax.Array:
         """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), [B, T, H, d] fp32, g <= 0."""
@@ -97,7 +102,7 @@ class KDA(nnx.Module):
         if state is not None:
             return state.conv_q, state.conv_k, state.conv_v
         W = self.q_conv1d.weight.shape[-1]
-        z = jnp.zeros((x.shape[0], W - 1, self.num_heads * self.head_dim), x.dtype)
+        z = jnp.zeros((x.shape[0], W - 1, self.q_proj.weight.shape[0]), x.dtype)
         return z, z, z
 
     # ---- entries ---------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Linear and embedding layers that store weights in the checkpoint's `[out, in]` layout.
 
 Keeping the HF layout means a parameter's path *is* its checkpoint name: loading and saving
-need no transposes and no name table.
+need no transposes and no name table. `axes` names each weight's logical axes (see
+`kimi_linear_jax/parallel/rules.py`): a layer built for a mesh holds its shard of the weight
+and computes on it as if it were the whole (column-parallel: a slice of the outputs;
+row-parallel: a partial sum that the block all-reduces).
 """
 
 from __future__ import annotations
@@ -10,6 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
+
+Logical = tuple[str | None, ...] | None
 
 
 def acc_dtype(*xs) -> jnp.dtype:
@@ -48,8 +55,10 @@ def init_uniform(rngs: nnx.Rngs, shape: tuple[int, ...], low: float, high: float
 class Linear(nnx.Module):
     """y = x @ weight.T, no bias (Kimi Linear has none). weight [out, in]."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (out_features, in_features), dtype))
+    def __init__(
+        self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, axes: Logical = None
+    ):
+        self.weight = param(init_normal(rngs, (out_features, in_features), dtype), axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
@@ -57,10 +66,25 @@ class Linear(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding, weight [vocab, hidden]."""
+    """Token embedding, weight [vocab, hidden], vocab-sharded under TP: each rank looks up the
+    ids in its row range, zeros the rest, and one all-reduce sums the ranks."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (vocab_size, hidden_size), dtype))
+    def __init__(
+        self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs, par: Parallel = SINGLE
+    ):
+        self.par = par
+        self.weight = param(init_normal(rngs, (vocab_size, hidden_size), dtype), ("vocab", None))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        w = self.weight[...]
+        if self.par.tp == 1:
+            return jnp.take(w, ids, axis=0)
+        local = ids - self.par.tp_rank() * w.shape[0]
+        mine = (local >= 0) & (local < w.shape[0])
+        x = jnp.take(w, jnp.where(mine, local, 0), axis=0)
+        return self.par.psum(jnp.where(mine[..., None], x, jnp.zeros((), w.dtype)))
+
+
+def param(value: jax.Array, axes: Logical = None) -> nnx.Param:
+    """A parameter tagged with its logical axes (None: replicated)."""
+    return nnx.Param(value) if axes is None else nnx.Param(value, logical=tuple(axes))

@@ -2,13 +2,17 @@
 
 Naive form (expand the latent through kv_b_proj) for the no-cache forward and for prefill;
 absorbed form (q through W_UK, attention over the 576-wide latent rows, W_UV after) for decode
-and verify over the paged cache. The paged attention call is a pluggable backend returning
-`(o_lat, lse)`: the XLA reference here, the Pallas kernel on a GPU.
+and verify over the paged cache.
+
+Under TP x DCP (`self.par`, fixed when the model is built for a mesh) this runs on one rank of
+the model's shard_map: q_proj, W_UK, W_UV and o_proj hold the rank's H / tp heads, the latent
+projection is whole, and the latent cache holds the rank's 1/dcp of every sequence's tokens.
+The absorbed query is all-gathered over the DCP group (H * dcp / tp heads, or computed whole
+with `replicate_q_proj`), each rank attends its tokens, the partials combine back to the head
+shard by lse, then W_UV and the row-parallel o_proj (the block all-reduces).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +23,14 @@ from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.layers.linear import Linear, acc_dtype
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.ops import mla as mla_ops
-
-# (q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale) -> (o_lat, lse)
-AttentionBackend = Callable[..., tuple[jax.Array, jax.Array]]
+from kimi_linear_jax.parallel import dcp
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
 
 
 class MLA(nnx.Module):
-    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, par: Parallel = SINGLE):
         D, N = config.hidden_size, config.num_attention_heads
-        self.num_heads = N
+        self.par = par
         self.nope, self.rope, self.vdim = (
             config.qk_nope_head_dim,
             config.qk_rope_head_dim,
@@ -36,17 +39,19 @@ class MLA(nnx.Module):
         self.rank = config.kv_lora_rank
         self.sm_scale = config.qk_head_dim**-0.5
         qdim = N * config.qk_head_dim
+        q_col = dict(dtype=dtype, rngs=rngs, axes=("q_heads", None))
         if config.q_lora_rank is None:
-            self.q_proj = Linear(D, qdim, dtype=dtype, rngs=rngs)
+            self.q_proj = Linear(D, qdim, **q_col)
         else:
             self.q_a_proj = Linear(D, config.q_lora_rank, dtype=dtype, rngs=rngs)
             # The reference builds this norm with its default eps (1e-6), not rms_norm_eps.
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6, dtype=dtype)
-            self.q_b_proj = Linear(config.q_lora_rank, qdim, dtype=dtype, rngs=rngs)
+            self.q_b_proj = Linear(config.q_lora_rank, qdim, **q_col)
         self.kv_a_proj_with_mqa = Linear(D, config.latent_dim, dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(self.rank, config.kv_a_layernorm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(self.rank, N * (self.nope + self.vdim), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(N * self.vdim, D, dtype=dtype, rngs=rngs)
+        # kv_b_proj holds W_UK and W_UV of each head: it follows the query heads.
+        self.kv_b_proj = Linear(self.rank, N * (self.nope + self.vdim), **q_col)
+        self.o_proj = Linear(N * self.vdim, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
 
     # ---- pieces ----------------------------------------------------------------------------
     def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -54,7 +59,7 @@ class MLA(nnx.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(*x.shape[:-1], self.num_heads, self.nope + self.rope)
+        q = q.reshape(*x.shape[:-1], -1, self.nope + self.rope)  # the heads held here
         return q[..., : self.nope], q[..., self.nope :]
 
     def latent(self, x: jax.Array) -> jax.Array:
@@ -63,44 +68,59 @@ class MLA(nnx.Module):
         c = self.kv_a_layernorm(kv[..., : self.rank])
         return jnp.concatenate([c, kv[..., self.rank :]], axis=-1)
 
-    def _kv_b(self) -> tuple[jax.Array, jax.Array]:
-        """W_UK [N, P_n, L] and W_UV [N, Vd, L] from kv_b_proj [N * (P_n + Vd), L]."""
-        w = self.kv_b_proj.weight[...].reshape(self.num_heads, self.nope + self.vdim, self.rank)
-        return w[:, : self.nope], w[:, self.nope :]
+    def _kv_b(self) -> jax.Array:
+        """kv_b_proj as [N, P_n + Vd, L] (N: the query heads held here)."""
+        return self.kv_b_proj.weight[...].reshape(-1, self.nope + self.vdim, self.rank)
+
+    def _own(self, x: jax.Array, axis: int) -> jax.Array:
+        """With replicate_q_proj the query-side heads are the whole DCP group's: keep this
+        rank's block (its output heads). Otherwise they already are the rank's own."""
+        par = self.par
+        if not (par.replicate_q_proj and par.dcp > 1):
+            return x
+        n = x.shape[axis] // par.dcp
+        return jax.lax.dynamic_slice_in_dim(x, par.dcp_rank() * n, n, axis=axis)
 
     def _naive(self, q_nope, q_pe, rows, mask):
-        """Expand latents to per-head keys/values and attend: o [B, T, N, Vd] f32, lse."""
+        """Expand latents to per-head keys/values of the own heads and attend:
+        o [B, T, N, Vd] f32, lse [B, T, N]."""
+        q_nope, q_pe, w = self._own(q_nope, 2), self._own(q_pe, 2), self._own(self._kv_b(), 0)
         c, k_pe = rows[..., : self.rank], rows[..., self.rank :]
-        kvb = self.kv_b_proj(c).reshape(*c.shape[:-1], self.num_heads, self.nope + self.vdim)
+        kvb = jnp.einsum("bsl,nel->bsne", c.astype(w.dtype), w)
         k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (*kvb.shape[:-1], self.rope))
         k = jnp.concatenate([kvb[..., : self.nope], k_pe.astype(kvb.dtype)], axis=-1)
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         return mla_ops.mla_naive_attention(q, k, kvb[..., self.nope :], mask, self.sm_scale)
 
-    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens, backend, mesh=None):
-        """Attention over the paged cache in latent space, mapped back to [B, T, N, Vd] f32.
-        With a DCP mesh the cache is sharded over 'dcp' and rank partials merge by lse."""
-        w_uk, w_uv = self._kv_b()
+    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens):
+        """Attention over the paged cache in latent space, mapped back to the own heads:
+        [B, T, N, Vd] f32. kv_lens [B, T]: global keys visible to each query row."""
+        par = self.par
+        w = self._kv_b()
+        w_uk, w_uv = w[:, : self.nope], self._own(w[:, self.nope :], 0)
         acc = acc_dtype(q_nope)
         q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
-        args = (q_lat, q_pe.astype(acc), cache, block_table, kv_lens)
-        if mesh is None:
-            o_lat, lse = backend(*args, sm_scale=self.sm_scale)
-        else:
-            from kernels.dcp import dcp_attention
-
-            o_lat, lse = dcp_attention(*args, sm_scale=self.sm_scale, mesh=mesh, backend=backend)
+        q_pe = q_pe.astype(acc)
+        if par.q_gather:  # the whole DCP group's heads attend this rank's tokens
+            q_lat, q_pe = dcp.gather_heads(q_lat), dcp.gather_heads(q_pe)
+        if par.dcp > 1:
+            kv_lens = dcp.local_len(kv_lens, par.dcp_rank(), par.dcp)
+        o_lat, lse = mla_ops.paged_attention(
+            par.attention, q_lat, q_pe, cache, block_table, kv_lens, sm_scale=self.sm_scale
+        )
+        if par.dcp > 1:
+            combine = dcp.HEAD_COMBINES[par.combine]
+            o_lat, lse = combine(o_lat.astype(jnp.float32), lse.astype(jnp.float32), par.dcp)
         o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
         return o, lse
 
-    @staticmethod
-    def _write(cache: jax.Array, rows: jax.Array, batch, mesh) -> jax.Array:
-        """Store new latent rows; under DCP each token is written by its owning rank only."""
-        if mesh is None:
-            return mla_ops.write_latents(cache, rows, batch.block_table, batch.start, batch.lengths)
-        from kernels.dcp import dcp_write_latents
-
-        return dcp_write_latents(cache, rows, batch.block_table, batch.start, batch.lengths, mesh)
+    def _write(self, cache: jax.Array, rows: jax.Array, batch) -> jax.Array:
+        """Store new latent rows; under DCP each rank stores the tokens it owns."""
+        par = self.par
+        args = (cache, rows, batch.block_table, batch.start, batch.lengths)
+        if par.dcp == 1:
+            return mla_ops.write_latents(*args)
+        return dcp.write_local(*args, par.dcp_rank(), par.dcp)
 
     def _out(self, x: jax.Array, o: jax.Array) -> jax.Array:
         return self.o_proj(o.astype(x.dtype).reshape(*x.shape[:-1], -1))
@@ -114,9 +134,7 @@ class MLA(nnx.Module):
         o, _ = self._naive(q_nope, q_pe, self.latent(x), mask)
         return self._out(x, o)
 
-    def prefill(
-        self, x, cache: MLACache, batch, *, has_prefix: bool, backend: AttentionBackend, mesh=None
-    ):
+    def prefill(self, x, cache: MLACache, batch, *, has_prefix: bool):
         """Chunk of T new tokens at positions start..start+T-1: naive attention inside the chunk,
         plus (has_prefix) absorbed attention over the cached prefix, merged by lse."""
         q_nope, q_pe = self._query(x)
@@ -126,21 +144,19 @@ class MLA(nnx.Module):
         o, lse = self._naive(q_nope, q_pe, rows, mask)
         if has_prefix:
             kv_lens = jnp.broadcast_to(batch.start[:, None], (x.shape[0], T))
-            o_p, lse_p = self._absorbed(
-                q_nope, q_pe, cache.latent, batch.block_table, kv_lens, backend, mesh
-            )
+            o_p, lse_p = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens)
             o, _ = mla_ops.merge_partials(o, lse, o_p, lse_p)
-        latent = self._write(cache.latent, rows, batch, mesh)
+        latent = self._write(cache.latent, rows, batch)
         return self._out(x, o), MLACache(latent)
 
-    def decode(self, x, cache: MLACache, batch, *, backend: AttentionBackend, mesh=None):
+    def decode(self, x, cache: MLACache, batch):
         """T new tokens (decode T = 1, verify T = k + 1): write their rows, then row t attends
         to the first start + t + 1 positions (clamped to the row's valid length)."""
         q_nope, q_pe = self._query(x)
-        latent = self._write(cache.latent, self.latent(x), batch, mesh)
+        latent = self._write(cache.latent, self.latent(x), batch)
         T = x.shape[1]
         t = jnp.arange(T)[None, :]
         kv_lens = batch.start[:, None] + jnp.minimum(t + 1, batch.lengths[:, None])
         kv_lens = jnp.where(batch.lengths[:, None] > 0, kv_lens, 0)
-        o, _ = self._absorbed(q_nope, q_pe, latent, batch.block_table, kv_lens, backend, mesh)
+        o, _ = self._absorbed(q_nope, q_pe, latent, batch.block_table, kv_lens)
         return self._out(x, o), MLACache(latent)

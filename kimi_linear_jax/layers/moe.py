@@ -11,6 +11,12 @@ per-step transpose). The routed product has three forms, picked statically at tr
   skips the tiles no row fills, so that only the experts a step actually routes to are read
   (the CPU path, where `ragged_dot` is a dense masked product over every expert);
 - "dense": the reference that runs every expert on every token.
+
+Under TP the experts are distributed over the TP group (expert parallelism, "experts" axis):
+the router runs on every rank over the replicated tokens, each rank computes its E / tp local
+experts for the (token, expert) pairs routed to them, and the decoder block's one all-reduce
+sums the ranks. A pair routed elsewhere gets the out-of-range id E / tp, which every path
+drops, so a rank reads only its experts that are in use.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.layers.linear import acc_dtype, init_normal
+from kimi_linear_jax.layers.linear import acc_dtype, init_normal, param
 from kimi_linear_jax.layers.mlp import MLP
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
 
 
 class Router(nnx.Module):
@@ -106,12 +113,14 @@ class Experts(nnx.Module):
 
     def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs):
         E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.w1 = nnx.Param(init_normal(rngs, (E, I, D), dtype))
-        self.w3 = nnx.Param(init_normal(rngs, (E, I, D), dtype))
-        self.w2 = nnx.Param(init_normal(rngs, (E, D, I), dtype))
+        axes = ("experts", None, None)
+        self.w1 = param(init_normal(rngs, (E, I, D), dtype), axes)
+        self.w3 = param(init_normal(rngs, (E, I, D), dtype), axes)
+        self.w2 = param(init_normal(rngs, (E, D, I), dtype), axes)
 
     def __call__(self, x: jax.Array, w: jax.Array, idx: jax.Array, dispatch: str = "auto"):
-        """sum_j w[n, j] * expert_{idx[n, j]}(x[n]): x [N, D], w [N, k], idx [N, k] -> [N, D]."""
+        """sum_j w[n, j] * expert_{idx[n, j]}(x[n]): x [N, D], w [N, k], idx [N, k] -> [N, D].
+        Pairs with idx outside [0, E) (E: the experts held here) contribute nothing."""
         if dispatch not in DISPATCHES:
             raise ValueError(f"unknown MoE dispatch {dispatch!r}; choose one of {DISPATCHES}")
         if dispatch == "auto":
@@ -130,8 +139,9 @@ class Experts(nnx.Module):
         gate = mm(xs, self.w1[...])
         up = mm(xs, self.w3[...])
         h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        y = mm(h, self.w2[...])  # [N*k, D]
-        y = y.astype(w.dtype) * w.reshape(-1)[order][:, None]
+        y = mm(h, self.w2[...])  # [N*k, D]; rows past sum(sizes) (other ranks' pairs) unset
+        placed = (jnp.arange(N * k) < jnp.sum(sizes))[:, None]
+        y = jnp.where(placed, y.astype(w.dtype) * w.reshape(-1)[order][:, None], 0)
         return jnp.zeros((N, x.shape[-1]), w.dtype).at[order // k].add(y)
 
     def tiled(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
@@ -182,7 +192,9 @@ class Experts(nnx.Module):
         """Reference: every expert on every token, weighted by a dense [N, E] matrix."""
         E = self.w1.shape[0]
         dense_w = (
-            jnp.zeros((x.shape[0], E), w.dtype).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
+            jnp.zeros((x.shape[0], E), w.dtype)
+            .at[jnp.arange(x.shape[0])[:, None], idx]
+            .add(w, mode="drop")
         )
         gate = jnp.einsum("nd,eid->nei", x, self.w1[...])
         up = jnp.einsum("nd,eid->nei", x, self.w3[...])
@@ -192,8 +204,17 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, dispatch: str = "auto"):
+    def __init__(
+        self,
+        config: KimiLinearConfig,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        dispatch: str = "auto",
+        par: Parallel = SINGLE,
+    ):
         self.dispatch = dispatch
+        self.par = par
         self.gate = Router(config, dtype=dtype, rngs=rngs)
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
         if config.num_shared_experts > 0:
@@ -204,7 +225,18 @@ class MoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat)
+        w, idx = self._local(w, idx)
         y = self.experts(flat, w, idx, self.dispatch).astype(x.dtype).reshape(shape)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
         return y
+
+    def _local(self, w: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Expert ids -> ids among this rank's experts; pairs routed to other ranks get the
+        out-of-range id E_local and weight 0."""
+        if self.par.tp == 1:
+            return w, idx
+        n = self.experts.w1.shape[0]
+        local = idx - self.par.tp_rank() * n
+        mine = (local >= 0) & (local < n)
+        return jnp.where(mine, w, 0), jnp.where(mine, local, n)

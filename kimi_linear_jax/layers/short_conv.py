@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_linear_jax.layers.linear import init_normal
+from kimi_linear_jax.layers.linear import init_normal, param
 
 
 def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -52,7 +52,8 @@ class ShortConv(nnx.Module):
     """silu(causal_conv(x)). weight [P, 1, W] as in the checkpoint."""
 
     def __init__(self, channels: int, kernel_size: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(init_normal(rngs, (channels, 1, kernel_size), dtype, std=0.2))
+        w = init_normal(rngs, (channels, 1, kernel_size), dtype, std=0.2)
+        self.weight = param(w, ("heads", None, None))  # depthwise: channels follow the heads
 
     def __call__(self, x: jax.Array, window: jax.Array) -> jax.Array:
         return jax.nn.silu(causal_conv(x, window, self.weight[...])).astype(x.dtype)

@@ -17,17 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_linear_jax.cache import init_cache
-from kimi_linear_jax.generation import shard_cache
 from kimi_linear_jax.model import HashedGraph, commit_kda, merge, prefill_step
+from kimi_linear_jax.parallel.rules import init_cache
 from serving.speculative.drafter import Drafter
 from serving.state_pool import copy_slots, reset_cache_slots
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "num_steps", "mesh"), donate_argnames=("cache",)
-)
-def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps, mesh=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnames=("cache",))
+def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps):
     """Greedy decode of `num_steps` steps from `last` [B]; row b runs steps_left[b] of them.
     Returns (tokens [B, num_steps], per-step KDA states [B, num_steps, ...] per layer, cache)."""
     model = merge(graphdef, params)
@@ -36,7 +33,7 @@ def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps, 
         token, cache = carry
         active = (i < steps_left).astype(jnp.int32)
         b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
-        logits, cache, per_step = model.verify(token[:, None], cache, b, mesh=mesh)
+        logits, cache, per_step = model.verify(token[:, None], cache, b)
         cache = commit_kda(cache, per_step, b.slots, b.lengths)
         token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         return (token, cache), (token, per_step)
@@ -53,19 +50,21 @@ def _rollback(cache, per_step, slots, commit_lens):
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model, *, num_pages, tokens_per_page, num_slots, mesh=None) -> None:
+    def __init__(self, model, *, num_pages, tokens_per_page, num_slots) -> None:
+        """`model` is placed already (the engine builds it for the target's mesh when its
+        shapes allow, else on one device); its caches follow its own plan, in pages of
+        `tokens_per_page` tokens, the target's allocator page."""
         self.config = model.config
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
-        self.mesh = mesh
-        cache = init_cache(
+        self.cache = init_cache(
             self.config,
+            model.par,
             num_slots=num_slots,
             num_pages=num_pages,
             page_size=tokens_per_page,
             dtype=model.dtype,
         )
-        self.cache = shard_cache(cache, mesh) if mesh is not None else cache
         self._per_step = None
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
@@ -79,7 +78,6 @@ class DraftModelDrafter(Drafter):
             batch,
             has_prefix=has_prefix,
             last_only=True,
-            mesh=self.mesh,
         )
 
     def propose(self, requests, max_drafts, batch, k: int):
@@ -99,7 +97,6 @@ class DraftModelDrafter(Drafter):
             batch,
             jnp.asarray(steps),
             num_steps=k + 1,
-            mesh=self.mesh,
         )
         return tokens[:, :k], num
 

@@ -102,7 +102,7 @@ def _track(cache: ModelCache, per_step, slots, track_slots, track_steps, commit_
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "mode", "mesh", "commit_recurrent", "track"),
+    static_argnames=("graphdef", "mode", "commit_recurrent", "track"),
     donate_argnames=("cache",),
 )
 def verify_step(
@@ -120,7 +120,6 @@ def verify_step(
     track_steps,
     *,
     mode,
-    mesh=None,
     commit_recurrent=True,
     track=True,
 ):
@@ -135,7 +134,7 @@ def verify_step(
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
     live = batch.lengths > 0
     batch = batch._replace(lengths=jnp.where(live, num_drafts + 1, 0))
-    logits, cache, per_step = model.verify(ids, cache, batch, mesh=mesh)
+    logits, cache, per_step = model.verify(ids, cache, batch)
     logits = logits.astype(jnp.float32)
     if mode == "penalized":  # penalised rows get no drafts: only position 0 matters
         logits = logits.at[:, 0].set(apply_penalties(logits[:, 0], counts, prompt_mask, sampling))

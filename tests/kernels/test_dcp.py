@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from kernels import dcp
 from kimi_linear_jax.ops import mla as mla_ops
+from kimi_linear_jax.parallel import dcp
 from tests.helpers import assert_close
 
 _dcp_write = jax.jit(dcp.dcp_write_latents, static_argnums=5)

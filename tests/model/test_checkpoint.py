@@ -99,7 +99,7 @@ def test_tiny_checkpoint_layout(tiny_ckpt, tiny_model_f32):
     assert t.shape("model.layers.1.block_sparse_moe.experts.7.w2.weight") == (64, 32)
     assert t.shape("model.layers.0.mlp.gate_proj.weight") == (128, 64)
     assert t.shape("model.layers.2.self_attn.kv_a_proj_with_mqa.weight") == (40, 64)
-    assert t.shape("model.layers.0.self_attn.A_log") == (1, 1, 2, 1)
+    assert t.shape("model.layers.0.self_attn.A_log") == (1, 1, 4, 1)
     assert "model.layers.1.block_sparse_moe.experts.w1" not in t
     assert len(t) == len(params(tiny_model_f32)) + 3 * 3 * (8 - 1)
 
@@ -379,7 +379,7 @@ def test_extra_expert_is_unexpected(ckpt_copy):
     [
         ("model.layers.0.self_attn.q_proj.weight", (32, 64), (33, 64)),
         ("model.layers.3.block_sparse_moe.experts.2.w2.weight", (64, 32), (32, 64)),
-        ("model.layers.0.self_attn.A_log", (1, 1, 2, 1), (2,)),
+        ("model.layers.0.self_attn.A_log", (1, 1, 4, 1), (4,)),
     ],
 )
 def test_shape_mismatch(ckpt_copy, name, expected, got):

@@ -15,6 +15,12 @@ rank-local lengths, and the partials ``(o_r, lse_r)`` are combined by log-sum-ex
 DCP: row t of a T-token window sees ``ctx - T + 1 + t`` global keys, so its rank-local length is
 ``local_len(ctx - T + 1 + t, r)`` -- never ``local_len(ctx, r) - (T - 1 - t)``.
 
+The model uses the rank-local pieces (`write_local`, `gather_heads`, `combine_to_heads`) inside
+its own shard_map over the TP x DCP mesh (`kimi_linear_jax/parallel/mesh.py`): the absorbed query
+of the group's `H * dcp / tp` heads is all-gathered over 'dcp', each rank attends its tokens, and
+the partials return to the rank's `H / tp` head shard. `dcp_attention` / `dcp_write_latents`
+below are the same pieces on a 1-D 'dcp' mesh with every head on every rank.
+
 Nothing here sizes scratch from local heads or a fixed T: every buffer (partials [B, T, H, L],
 gathered lse [c, B, T, H], gathered o [c, B, T, H, L] for the all-gather combine) takes the full
 H and the real T from the query it is given. The entry points are not jitted themselves: they
@@ -33,18 +39,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kimi_linear_jax.ops.mla import merge_stacked_partials, mla_paged_attention_reference
+from kernels.mla_reference import merge_stacked_partials, mla_paged_attention_reference
+from kimi_linear_jax.parallel.mesh import DCP_AXIS, shard_map
 
-try:  # jax >= 0.7 (0.10 and 0.11 included)
-    from jax import shard_map as _shard_map
-
-    _NO_CHECK = {"check_vma": False}
-except ImportError:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-    _NO_CHECK = {"check_rep": False}
-
-DCP_AXIS = "dcp"
 CACHE_SPEC = P(None, DCP_AXIS, None)
 
 # backend(q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale) -> (o, lse), the signature of
@@ -205,6 +202,61 @@ def _place(mesh: Mesh, args, specs):
     )
 
 
+def write_local(cache_l, rows, block_table, start, lengths, r, c: int) -> jax.Array:
+    """Rank r's part of a DCP write: of rows [B, T, L + R] at positions start[b] + t
+    (t < lengths[b]) it stores the tokens it owns into its local pages
+    cache_l [num_pages, page_size, L + R]. Rows past a length or the block table are dropped."""
+    num_pages, page_size, _ = cache_l.shape
+    T = rows.shape[1]
+    pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    vpage, owner, slot = dcp_coords(pos, page_size, c)
+    n_vp = block_table.shape[1]
+    valid = (jnp.arange(T)[None, :] < lengths[:, None]) & (owner == r) & (vpage < n_vp)
+    page = jnp.take_along_axis(block_table, jnp.clip(vpage, 0, n_vp - 1), axis=1)
+    page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
+    return cache_l.at[page, slot].set(rows.astype(cache_l.dtype), mode="drop")
+
+
+def gather_heads(x: jax.Array) -> jax.Array:
+    """[B, T, H', ...] head shard -> [B, T, H' * c, ...] of the whole DCP group (rank order)."""
+    return jax.lax.all_gather(x, DCP_AXIS, axis=2, tiled=True)
+
+
+def combine_ag_rs(o: jax.Array, lse: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """vLLM's combine: all-gather the lse [c, B, T, Hg] (small), rescale the own partial by
+    exp(lse_r - lse), reduce-scatter o over heads. o [B, T, Hg, L] -> [B, T, Hg / c, L]."""
+    lse_all = jax.lax.all_gather(lse, DCP_AXIS)
+    m = jnp.max(lse_all, axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(lse_all - m), axis=0)
+    safe = jnp.where(total > 0, total, 1.0)
+    lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    w = jnp.exp(lse - m) / safe  # 0 for an empty slice
+    o = jnp.where((w > 0)[..., None], w[..., None] * o, 0.0)
+    o = jax.lax.psum_scatter(o, DCP_AXIS, scatter_dimension=2, tiled=True)
+    return o, _own_heads(lse_out, c)
+
+
+def combine_a2a(o: jax.Array, lse: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """sglang's / tpu-inference's combine: one all-to-all sends head block j of every rank's
+    (o, lse) to rank j, which merges its c partials locally. o [B, T, Hg, L] -> [B, T, Hg/c, L].
+    (o and lse travel as one array: the lse rides as an extra column.)"""
+    B, T, Hg, L = o.shape
+    packed = jnp.concatenate([o, lse[..., None]], axis=-1).reshape(B, T, c, Hg // c, L + 1)
+    packed = jnp.moveaxis(packed, 2, 0)  # [c, B, T, H', L + 1], block j goes to rank j
+    got = jax.lax.all_to_all(packed, DCP_AXIS, split_axis=0, concat_axis=0, tiled=True)
+    return merge_stacked_partials(got[..., :L], got[..., L])
+
+
+def _own_heads(x: jax.Array, c: int) -> jax.Array:
+    """This DCP rank's block of the head axis (axis 2) of a group-wide array."""
+    n = x.shape[2] // c
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(DCP_AXIS) * n, n, axis=2)
+
+
+HEAD_COMBINES = {"ag_rs": combine_ag_rs, "a2a": combine_a2a}
+
+
 def dcp_write_latents(
     cache: jax.Array,
     rows: jax.Array,
@@ -223,20 +275,12 @@ def dcp_write_latents(
     c = dcp_size(mesh)
 
     def body(cache_l, rows, block_table, start, lengths):
-        num_pages, page_size, _ = cache_l.shape
-        B, T, _ = rows.shape
         r = jax.lax.axis_index(DCP_AXIS)
-        pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
-        vpage, owner, slot = dcp_coords(pos, page_size, c)
-        n_vp = block_table.shape[1]
-        valid = (jnp.arange(T)[None, :] < lengths[:, None]) & (owner == r) & (vpage < n_vp)
-        page = jnp.take_along_axis(block_table, jnp.clip(vpage, 0, n_vp - 1), axis=1)
-        page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
-        return cache_l.at[page, slot].set(rows.astype(cache_l.dtype), mode="drop")
+        return write_local(cache_l, rows, block_table, start, lengths, r, c)
 
     specs = (CACHE_SPEC, P(), P(), P(), P())
     args = _place(mesh, (cache, rows, block_table, start, lengths), specs)
-    fn = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=CACHE_SPEC, **_NO_CHECK)
+    fn = shard_map(body, mesh, specs, CACHE_SPEC)
     return fn(*args)
 
 
@@ -289,5 +333,5 @@ def dcp_attention(
 
     specs = (P(), P(), CACHE_SPEC, P(), lens_spec)
     args = _place(mesh, (q_lat, q_pe, cache, block_table, lens_arg), specs)
-    fn = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), **_NO_CHECK)
+    fn = shard_map(body, mesh, specs, (P(), P()))
     return fn(*args)

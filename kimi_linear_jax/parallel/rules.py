@@ -1,0 +1,130 @@
+"""The sharding-rules table: logical axes (named by the layers and caches) -> mesh axes.
+
+Layers tag each parameter with its logical axes (`nnx.Param(..., logical=("heads", None))`) and
+never name a mesh axis; this table alone decides where each logical axis goes. Untagged
+parameters (norms, routers, the MLA down-projection) are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kimi_linear_jax.cache import KDAState, MLACache, ModelCache
+from kimi_linear_jax.parallel.mesh import DCP_AXIS, MODEL_AXIS, TP_AXES, Parallel
+
+Axes = tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    vocab: Axes = TP_AXES  # embedding rows, lm_head rows
+    heads: Axes = TP_AXES  # KDA heads; MLA output heads (W_UV, o_proj input)
+    q_heads: Axes = TP_AXES  # MLA query heads (q_proj, W_UK: kv_b_proj holds both W_UK and W_UV)
+    experts: Axes = TP_AXES  # routed experts (expert parallelism over the TP group)
+    mlp: Axes = TP_AXES  # dense MLP / shared expert intermediate (column then row parallel)
+    state_heads: Axes = TP_AXES  # KDA state S and conv windows in the state pool
+    latent_tokens: Axes = (DCP_AXIS,)  # a virtual page's tokens of the MLA latent cache
+
+    @classmethod
+    def for_parallel(cls, par: Parallel) -> ShardingRules:
+        # replicate_q_proj: every rank of a DCP group keeps its group's query heads whole.
+        q = (MODEL_AXIS,) if par.replicate_q_proj and par.dcp > 1 else TP_AXES
+        return cls(q_heads=q)
+
+    def spec(self, logical: tuple[str | None, ...] | None, ndim: int) -> P:
+        if logical is None:
+            return P()
+        if len(logical) != ndim:
+            raise ValueError(f"logical axes {logical} do not match a rank-{ndim} array")
+        return P(*(None if a is None else _one(getattr(self, a)) for a in logical))
+
+
+def _one(axes: Axes):
+    if axes is None:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state: nnx.State, rules: ShardingRules) -> nnx.State:
+    """A State of PartitionSpecs shaped like `state` (a prefix for shard_map's in_specs)."""
+    return jax.tree.map(
+        lambda v: rules.spec(v.get_metadata().get("logical"), v.ndim), state, is_leaf=_is_var
+    )
+
+
+def var_spec(var: nnx.Variable, rules: ShardingRules) -> P:
+    return rules.spec(var.get_metadata().get("logical"), len(var.shape))
+
+
+KDA_STATE_AXES = KDAState(
+    conv_q=(None, None, "state_heads"),
+    conv_k=(None, None, "state_heads"),
+    conv_v=(None, None, "state_heads"),
+    S=(None, "state_heads", None, None),
+)
+MLA_CACHE_AXES = MLACache(latent=(None, "latent_tokens", None))
+
+
+def cache_specs(cache: ModelCache, rules: ShardingRules) -> ModelCache:
+    kda = tuple(
+        KDAState(*(rules.spec(a, 4 if i == 3 else 3) for i, a in enumerate(KDA_STATE_AXES)))
+        for _ in cache.kda
+    )
+    mla = tuple(MLACache(rules.spec(MLA_CACHE_AXES.latent, 3)) for _ in cache.mla)
+    return ModelCache(kda, mla)
+
+
+def per_step_specs(n_kda: int, rules: ShardingRules) -> tuple[KDAState, ...]:
+    """Specs of a verify's per-step KDA states (a step axis after the row axis)."""
+    h = _one(rules.state_heads)
+    one = KDAState(
+        P(None, None, None, h),
+        P(None, None, None, h),
+        P(None, None, None, h),
+        P(None, None, h, None, None),
+    )
+    return (one,) * n_kda
+
+
+def shardings(specs, mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_model(model, par: Parallel):
+    """Place an already built model on `par`'s mesh: every module that reads the plan gets it,
+    every parameter moves to its shards (tests and small models; large checkpoints load
+    straight onto their shards with `checkpoint.load_pretrained(..., parallel=par)`)."""
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "par"):
+            module.par = par
+    if not par.sharded:
+        return model
+    state = nnx.state(model)
+    specs = param_specs(state, ShardingRules.for_parallel(par))
+    nnx.update(model, jax.device_put(state, shardings(specs, par.mesh)))
+    return model
+
+
+def init_cache(config, par: Parallel, *, num_slots: int, num_pages: int, page_size: int, dtype):
+    """`cache.init_cache` created straight onto `par`'s shards (never whole on one device).
+    `page_size` is the tokens of an allocator page (page_size per rank * dcp)."""
+    from kimi_linear_jax import cache as cache_lib
+
+    def make():
+        return cache_lib.init_cache(
+            config, num_slots=num_slots, num_pages=num_pages, page_size=page_size, dtype=dtype
+        )
+
+    if not par.sharded:
+        return make()
+    specs = cache_specs(jax.eval_shape(make), ShardingRules.for_parallel(par))
+    return jax.jit(make, out_shardings=shardings(specs, par.mesh))()
