@@ -37,8 +37,7 @@ def test_absorbed_equals_naive(q_lora_rank):
         cache, rows, table, jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32)
     )
     kv_lens = jnp.broadcast_to(jnp.arange(1, T + 1), (B, T))
-    backend = mla_ops.mla_paged_attention_reference
-    o_abs, lse_abs = mla._absorbed(q_nope, q_pe, cache, table, kv_lens, backend)
+    o_abs, lse_abs = mla._absorbed(q_nope, q_pe, cache, table, kv_lens)
     assert_close(o_abs, o_naive, atol=1e-5, rtol_rms=1e-5, name="o")
     assert_close(lse_abs, lse_naive, atol=1e-5, rtol_rms=1e-6, name="lse")
 

@@ -115,7 +115,7 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
     ("argv", "match"),
     [
         (["--model", "{tmp}/nope", "--prompt", "hi"], "not a checkpoint"),
-        (["--prompt-ids", "1,2", "--dcp-size", "64"], r"dcp_size 64\) asks for more devices"),
+        (["--prompt-ids", "1,2", "--dcp-size", "64"], "(dcp_size 64) asks for more devices"),
         (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
         (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
         (["--model", "{ckpt}", "--prompt", "hi"], "a text prompt needs a tokenizer"),
