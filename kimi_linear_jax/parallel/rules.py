@@ -100,9 +100,11 @@ def shardings(specs, mesh):
 
 
 def shard_model(model, par: Parallel):
-    """Place an already built model on `par`'s mesh: every module that reads the plan gets it,
-    every parameter moves to its shards (tests and small models; large checkpoints load
-    straight onto their shards with `checkpoint.load_pretrained(..., parallel=par)`)."""
+    """A copy of a built model for `par`'s mesh (the original is left as it is): every module
+    that reads the plan gets it, every parameter moves to its shards. For tests and small
+    models; large checkpoints load straight onto their shards with
+    `checkpoint.load_pretrained(..., parallel=par)`."""
+    model = nnx.merge(*nnx.split(model))  # new modules over the same arrays
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "par"):
             module.par = par

@@ -32,6 +32,6 @@ def test_verify_window_with_kernel_backend():
     win = batch._replace(start=jnp.asarray([N, N - 5], jnp.int32), lengths=jnp.full((B,), T))
     ref, _, _ = model.verify(jnp.asarray(ids[:, N:]), cache, win)
     # The attention implementation is chosen once, when the model is built for its plan.
-    shard_model(model, Parallel(attention="interpret"))
+    model = shard_model(model, Parallel(attention="interpret"))
     got, _, _ = nnx.jit(lambda m, c: m.verify(jnp.asarray(ids[:, N:]), c, win))(model, cache)
     assert_close(got, ref, atol=1e-5, rtol_rms=1e-5, name="logits")
