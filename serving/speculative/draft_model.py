@@ -55,6 +55,7 @@ class DraftModelDrafter(Drafter):
         shapes allow, else on one device); its caches follow its own plan, in pages of
         `tokens_per_page` tokens, the target's allocator page."""
         self.config = model.config
+        self.par = model.par
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
         self.cache = init_cache(
