@@ -1,7 +1,7 @@
 """`kimi-linear-jax` command line: `generate` (one prompt, or a JSONL batch), `serve` (the
 OpenAI-compatible server) and `info` (a preset's parameter count).
 
-Bad command-line input (a path that is not a checkpoint, a dcp size past the device count, a
+Bad command-line input (a path that is not a checkpoint, a TP size past the device count, a
 sampling value out of range) exits with status 2 and one line on stderr naming the problem. In
 batch mode a bad line fails alone: its output line has an "error" field.
 """
@@ -15,12 +15,12 @@ import re
 import sys
 import time
 
+from kimi_linear_jax.parallel.mesh import COMBINES
 from serving.sampling import SamplingParams
 
 # Engine flags shared by `generate` and `serve`: (flag, type, default, help), with `LLM`'s
 # defaults; each maps onto the `LLM` argument of the same name.
 ENGINE_FLAGS = (
-    ("--dcp-size", int, 1, "spread the MLA cache over N devices (DCP)"),
     ("--max-num-seqs", int, 8, "requests running at once"),
     ("--page-size", int, 16, "tokens per cache page (per device under DCP)"),
     ("--num-pages", int, 256, "pages in the MLA cache pool"),
@@ -55,6 +55,26 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     for flag, kind, default, text in ENGINE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    par = p.add_argument_group("devices (one mesh: TP over heads, experts and vocab; DCP in it)")
+    par.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="devices to shard the model over (default: --dcp-size, else 1)",
+    )
+    par.add_argument(
+        "--dcp-size",
+        type=int,
+        default=None,
+        help="spread each sequence's MLA cache over N of the TP devices (divides TP)",
+    )
+    par.add_argument(
+        "--replicate-q-proj",
+        action="store_true",
+        help="keep q_proj / W_UK whole in each DCP group (no query all-gather)",
+    )
+    par.add_argument("--dcp-combine", choices=COMBINES, default="ag_rs")
     spec = p.add_argument_group("speculative decoding (off unless --speculative-method)")
     spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None)
     spec.add_argument("--num-draft-tokens", type=int, default=4)
@@ -166,6 +186,10 @@ def llm_from_args(args):
         enable_prefix_caching=not args.no_prefix_caching,
         num_checkpoint_slots=args.num_checkpoint_slots,
         track_interval=args.track_interval,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dcp_size=args.dcp_size,
+        replicate_q_proj=args.replicate_q_proj,
+        dcp_combine=args.dcp_combine,
         **{name: getattr(args, name) for name in names},
     )
 

@@ -148,3 +148,18 @@ def test_speculative_flags_keep_greedy_output(checkpoint, reference, capsys):
     spec = ["--speculative-method", "ngram", "--num-draft-tokens", "2", "--no-prefix-caching"]
     rc, out, _ = run(capsys, *argv, *FLAGS, *spec)
     assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "devices", [["-tp", "2"], ["--tensor-parallel-size", "4", "--dcp-size", "2"]]
+)
+def test_parallel_flags_keep_greedy_output(checkpoint, reference, capsys, devices):
+    argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    rc, out, _ = run(capsys, *argv, *FLAGS, *devices)
+    assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
+
+
+def test_tp_not_dividing_the_heads_exits_2(checkpoint, capsys):
+    rc, out, err = run(capsys, "generate", "--prompt-ids", "1", "-tp", "3", *FLAGS)
+    # The built-in model has 6 MLA and KDA heads and 8 experts: 3 divides the heads only.
+    assert rc == 2 and "tensor_parallel_size 3 must divide the experts (num_experts) (8)" in err
