@@ -6,13 +6,15 @@ devices, so the numbers measure copies and per-collective overhead, not NVLink; 
 strategies by work, not by what a GPU interconnect would give. Strategies:
 
 - ``ag``: all-gather o [B,T,H,L] and lse [B,T,H] over 'dcp', merge locally
-  (``kernels.dcp.combine_all_gather``).
+  (``kimi_linear_jax.parallel.dcp.combine_all_gather``).
 - ``a2a+ag``: all-to-all over heads (rank r gets every rank's partial for heads group r), merge
   H/c heads locally, all-gather the merged heads to get a replicated output.
-- ``a2a``: the same without the final all-gather (output left head-sharded: only useful if the
-  next op consumes heads sharded over 'dcp').
+- ``a2a``: the same without the final all-gather, output head-sharded: what the model's TP x
+  DCP path does (``kimi_linear_jax.parallel.dcp.combine_a2a``).
+- ``ag_rs``: all-gather the lse, rescale, reduce-scatter o over heads, output head-sharded
+  (``kimi_linear_jax.parallel.dcp.combine_ag_rs``, the model's default).
 - ``ag_lse+psum``: all-gather lse only, scale o_r by exp(lse_r - lse), all-reduce
-  (``kernels.dcp.combine_lse_psum``, the default of ``dcp_attention``).
+  (``kimi_linear_jax.parallel.dcp.combine_lse_psum``, the default of ``dcp_attention``).
 
 Run from the repo root: ``python benchmarks/dcp_combine.py [--repeats 10] [--quick]`` (``--quick``:
 6 of the 15 configs, 5 repeats; what ``run_all.py`` runs).
@@ -39,26 +41,16 @@ from common import print_table, timeit_interleaved, write_json  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from kernels import dcp  # noqa: E402
+from kimi_linear_jax.parallel import dcp  # noqa: E402
+from kimi_linear_jax.parallel.mesh import shard_map  # noqa: E402
 
 AX = dcp.DCP_AXIS
-COLUMNS = ["c", "B", "T", "H", "L", "o_MiB", "ag_ms", "a2a+ag_ms", "a2a_ms", "ag_lse+psum_ms"]
-COLUMNS += ["a2a+ag/ag", "max_abs_diff"]
-
-
-def _a2a_local(o, lse, c):
-    B, T, H, L = o.shape
-    hc = H // c
-    # [c (heads group), B, T, H/c, ...]: group g goes to rank g, received stacked by source.
-    o_g = jnp.moveaxis(o.reshape(B, T, c, hc, L), 2, 0)
-    lse_g = jnp.moveaxis(lse.reshape(B, T, c, hc), 2, 0)
-    o_g = jax.lax.all_to_all(o_g, AX, 0, 0, tiled=True)
-    lse_g = jax.lax.all_to_all(lse_g, AX, 0, 0, tiled=True)
-    return dcp.merge_stacked_partials(o_g, lse_g)  # heads group r: [B, T, H/c, L]
+COLUMNS = ["c", "B", "T", "H", "L", "o_MiB", "ag_ms", "a2a+ag_ms", "a2a_ms", "ag_rs_ms"]
+COLUMNS += ["ag_lse+psum_ms", "ag_rs/a2a", "max_abs_diff"]
 
 
 def _a2a_ag(o, lse, c):
-    o_m, lse_m = _a2a_local(o, lse, c)
+    o_m, lse_m = dcp.combine_a2a(o, lse, c)
     return (
         jax.lax.all_gather(o_m, AX, axis=2, tiled=True),
         jax.lax.all_gather(lse_m, AX, axis=2, tiled=True),
@@ -67,19 +59,19 @@ def _a2a_ag(o, lse, c):
 
 def build(mesh: Mesh, c: int):
     """name -> jitted fn(o [c,B,T,H,L], lse [c,B,T,H]) (sharded over 'dcp' on axis 0)."""
-    kw = dict(mesh=mesh, in_specs=(P(AX), P(AX)), **dcp._NO_CHECK)
     head_sharded = (P(None, None, AX, None), P(None, None, AX))
 
     def wrap(f, out_specs):
         def body(o, lse):
             return f(o[0], lse[0])
 
-        return jax.jit(dcp._shard_map(body, out_specs=out_specs, **kw))
+        return jax.jit(shard_map(body, mesh, (P(AX), P(AX)), out_specs))
 
     return {
         "ag": wrap(dcp.combine_all_gather, (P(), P())),
         "a2a+ag": wrap(lambda o, l: _a2a_ag(o, l, c), (P(), P())),
-        "a2a": wrap(lambda o, l: _a2a_local(o, l, c), head_sharded),
+        "a2a": wrap(lambda o, l: dcp.combine_a2a(o, l, c), head_sharded),
+        "ag_rs": wrap(lambda o, l: dcp.combine_ag_rs(o, l, c), head_sharded),
         "ag_lse+psum": wrap(dcp.combine_lse_psum, (P(), P())),
     }
 
@@ -100,7 +92,7 @@ def bench(c: int, B: int, T: int, H: int, L: int, repeats: int) -> dict:
     for k, r in res.items():
         row[f"{k}_ms"] = r["median_s"] * 1e3
         row[f"{k}_min_ms"] = r["min_s"] * 1e3
-    row["a2a+ag/ag"] = row["a2a+ag_ms"] / row["ag_ms"]
+    row["ag_rs/a2a"] = row["ag_rs_ms"] / row["a2a_ms"]
     row["max_abs_diff"] = max(
         float(jnp.max(jnp.abs(outs[k][0] - outs["ag"][0]))) for k in fns if k != "ag"
     )

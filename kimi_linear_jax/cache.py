@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import math
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,62 @@ class Batch(NamedTuple):
     block_table: jax.Array
     start: jax.Array
     lengths: jax.Array
+
+
+# The chunked KDA prefill holds the state at every multiple of its chunk.
+KDA_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Where things live in the caches; the one place that says it.
+
+    State slots (one KDA state + conv windows each): slot 0 is the null slot that padding rows
+    point at, then one slot per running request, then the prefix cache's checkpoint slots, all
+    in the same arrays so a restore or snapshot is one on-device copy. Pages: page 0 is the null
+    page; an allocator page holds `page_size` tokens on each of the `dcp_size` DCP ranks.
+    """
+
+    num_pages: int
+    page_size: int  # tokens of a page on one device
+    dcp_size: int = 1
+    max_num_seqs: int = 1
+    num_checkpoint_slots: int = 0
+
+    NULL_SLOT: ClassVar[int] = 0
+    NULL_PAGE: ClassVar[int] = 0
+
+    @property
+    def tokens_per_page(self) -> int:
+        """An allocator (virtual) page: page_size on every DCP rank."""
+        return self.page_size * self.dcp_size
+
+    @property
+    def request_slots(self) -> range:
+        return range(1, self.max_num_seqs + 1)
+
+    @property
+    def checkpoint_slots(self) -> range:
+        first = self.max_num_seqs + 1
+        return range(first, first + self.num_checkpoint_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_num_seqs + 1 + self.num_checkpoint_slots
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the page pool holds (every page but the null page)."""
+        return (self.num_pages - 1) * self.tokens_per_page
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_page)
+
+    @property
+    def checkpoint_grid(self) -> int:
+        """lcm(state_chunk, tree_page): the depths where recurrent-state checkpoints may live
+        (state_chunk = max(KDA chunk, page_size), tree_page = the allocator page)."""
+        return math.lcm(max(KDA_CHUNK, self.page_size), self.tokens_per_page)
 
 
 def init_kda_state(config: KimiLinearConfig, num_slots: int, dtype) -> KDAState:

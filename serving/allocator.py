@@ -20,7 +20,9 @@ from collections.abc import Hashable
 
 import numpy as np
 
-NULL_PAGE = 0
+from kimi_linear_jax.cache import CacheLayout
+
+NULL_PAGE = CacheLayout.NULL_PAGE
 
 
 class OutOfPagesError(RuntimeError):
@@ -35,6 +37,7 @@ class PageAllocator:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size < 1 or dcp_size < 1:
             raise ValueError(f"page_size {page_size} and dcp_size {dcp_size} must be >= 1")
+        self.layout = CacheLayout(num_pages, page_size, dcp_size)
         self.num_pages = num_pages
         self.page_size = page_size
         self.dcp_size = dcp_size
@@ -44,9 +47,15 @@ class PageAllocator:
         self._borrowed: dict[Hashable, set[int]] = {}  # tree pages in a request's list
         self._tree: set[int] = set()  # pages the prefix tree holds
 
+    @classmethod
+    def from_layout(cls, layout: CacheLayout) -> PageAllocator:
+        allocator = cls(layout.num_pages, layout.page_size, layout.dcp_size)
+        allocator.layout = layout
+        return allocator
+
     @property
     def tokens_per_page(self) -> int:
-        return self.page_size * self.dcp_size
+        return self.layout.tokens_per_page
 
     @property
     def capacity(self) -> int:
@@ -63,7 +72,7 @@ class PageAllocator:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.tokens_per_page)
+        return self.layout.pages_for(num_tokens)
 
     def _missing(self, request_id: Hashable, num_tokens: int) -> int:
         have = len(self._owned.get(request_id, ()))

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel, validate
@@ -168,43 +169,36 @@ class LLM:
             replicate_q_proj=replicate_q_proj,
             combine=dcp_combine,
         )
-        dcp_size = par.dcp
         self.parallel = par
-        self.track_interval = resolve_track_interval(track_interval, page_size, dcp_size)
+        # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
+        # a restore or snapshot is one on-device copy (the layout says where each slot is).
+        n_ckpt = 2 * max_num_seqs if num_checkpoint_slots is None else num_checkpoint_slots
+        if not enable_prefix_caching:
+            n_ckpt = 0
+        self.layout = CacheLayout(num_pages, page_size, par.dcp, max_num_seqs, n_ckpt)
+        # The track interval is resolved once, here, on the checkpoint grid, for the
+        # scheduler's decode snapshots and the verify.
+        self.track_interval = resolve_track_interval(track_interval, page_size, par.dcp)
+        if drafter is not None and self.speculative is None:
+            raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
-        tokens_per_page = page_size * dcp_size
-        pool_tokens = (num_pages - 1) * tokens_per_page
-        limit = min(self.config.model_max_length, pool_tokens)
+        limit = min(self.config.model_max_length, self.layout.pool_tokens)
         self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.dcp_size = dcp_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
         self.num_scheduler_steps = num_scheduler_steps
-        self.allocator = PageAllocator(num_pages, page_size, dcp_size)
-        self.state_pool = StatePool(max_num_seqs + 1)
-        # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
-        # a restore or snapshot is one on-device copy. The track interval is resolved once,
-        # here, on the checkpoint grid, for the scheduler's decode snapshots and the verify.
-        n_ckpt = 2 * max_num_seqs if num_checkpoint_slots is None else num_checkpoint_slots
+        self.allocator = PageAllocator.from_layout(self.layout)
+        self.state_pool = StatePool(self.layout.request_slots.stop)
         self.prefix_cache = None
-        if enable_prefix_caching and n_ckpt > 0:
-            first = max_num_seqs + 1
-            self.prefix_cache = PrefixCache(self.allocator, range(first, first + n_ckpt))
-        num_slots = max_num_seqs + 1 + (n_ckpt if self.prefix_cache else 0)
-        if drafter is not None and self.speculative is None:
-            raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
-        self.runner_slots = num_slots
+        if n_ckpt > 0:
+            self.prefix_cache = PrefixCache(self.allocator, self.layout.checkpoint_slots)
         drafter = drafter or self._make_drafter(dtype)
         k = self.speculative.num_draft_tokens if self.speculative else 0
         self.runner = ModelRunner(
             self.model,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_slots=num_slots,
+            layout=self.layout,
             max_pages_per_seq=self.allocator.pages_for(self.max_model_len),
             batch_buckets=batch_buckets,
             token_buckets=token_buckets,
@@ -400,12 +394,7 @@ class LLM:
                 f"speculative draft model vocab_size {draft.config.vocab_size} != target "
                 f"vocab_size {self.config.vocab_size}"
             )
-        return DraftModelDrafter(
-            draft,
-            num_pages=self.num_pages,
-            tokens_per_page=self.page_size * self.dcp_size,
-            num_slots=self.runner_slots,
-        )
+        return DraftModelDrafter(draft, self.layout)
 
     def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
         """Queue every valid prompt (an Exception entry is a prompt that already failed), run

@@ -26,7 +26,7 @@ import math
 from collections.abc import Hashable
 
 from serving.allocator import PageAllocator
-from serving.speculative.track import KDA_CHUNK, checkpoint_grid
+from serving.speculative.track import KDA_CHUNK
 
 
 def checkpoint_depth(prefix_len: int, extend_len: int, state_chunk: int, tree_page: int):
@@ -72,7 +72,7 @@ class PrefixCache:
         self.allocator = allocator
         self.tree_page = allocator.tokens_per_page
         self.state_chunk = max(KDA_CHUNK, allocator.page_size)
-        self.grid = checkpoint_grid(allocator.page_size, allocator.dcp_size)
+        self.grid = allocator.layout.checkpoint_grid
         self.root = Node((), 0, 0, None)
         self._free_slots = list(reversed(checkpoint_slots))
         self.num_checkpoint_slots = len(checkpoint_slots)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_linear_jax.cache import Batch
+from kimi_linear_jax.cache import Batch, CacheLayout
 from kimi_linear_jax.model import HashedGraph, merge, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, PageAllocator
@@ -172,9 +172,7 @@ class ModelRunner:
         self,
         model,
         *,
-        num_pages: int,
-        page_size: int,
-        num_slots: int,
+        layout: CacheLayout,
         max_pages_per_seq: int | None = None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
@@ -205,23 +203,21 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
         # The model is built for its mesh (model.par); the caches follow its sharding rules.
-        self.par = model.par
-        self.page_size = page_size
         # An allocator page is a virtual page of page_size * dcp tokens (page_size on each
         # DCP rank); the cache holds the virtual page, sharded over its in-page axis.
-        self.tokens_per_page = page_size * self.par.dcp
-        self.num_pages = num_pages
-        self.num_slots = num_slots
-        self.max_pages_per_seq = max_pages_per_seq or (num_pages - 1)
+        if layout.dcp_size != model.par.dcp:
+            raise ValueError(f"layout dcp_size {layout.dcp_size} != model's {model.par.dcp}")
+        self.layout = layout
+        self.max_pages_per_seq = max_pages_per_seq or (layout.num_pages - 1)
         self._width = self.max_pages_per_seq
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
         self.cache = init_cache(
             self.config,
-            self.par,
-            num_slots=num_slots,
-            num_pages=num_pages,
-            page_size=self.tokens_per_page,
+            model.par,
+            num_slots=layout.num_slots,
+            num_pages=layout.num_pages,
+            page_size=layout.tokens_per_page,
             dtype=model.dtype,
         )
 

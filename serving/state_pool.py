@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_linear_jax.cache import KDAState
+from kimi_linear_jax.cache import CacheLayout, KDAState
 
-NULL_SLOT = 0
+NULL_SLOT = CacheLayout.NULL_SLOT
 KDAStates = tuple[KDAState, ...]
 
 

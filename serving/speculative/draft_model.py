@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.model import HashedGraph, commit_kda, merge, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.speculative.drafter import Drafter
@@ -50,10 +51,10 @@ def _rollback(cache, per_step, slots, commit_lens):
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model, *, num_pages, tokens_per_page, num_slots) -> None:
+    def __init__(self, model, layout: CacheLayout) -> None:
         """`model` is placed already (the engine builds it for the target's mesh when its
-        shapes allow, else on one device); its caches follow its own plan, in pages of
-        `tokens_per_page` tokens, the target's allocator page."""
+        shapes allow, else on one device); its caches follow its own plan, with the target's
+        slots and pages (`layout`: the same ids, pages of the target's allocator page)."""
         self.config = model.config
         self.par = model.par
         graphdef, self.params = nnx.split(model)
@@ -61,9 +62,9 @@ class DraftModelDrafter(Drafter):
         self.cache = init_cache(
             self.config,
             model.par,
-            num_slots=num_slots,
-            num_pages=num_pages,
-            page_size=tokens_per_page,
+            num_slots=layout.num_slots,
+            num_pages=layout.num_pages,
+            page_size=layout.tokens_per_page,
             dtype=model.dtype,
         )
         self._per_step = None

@@ -9,16 +9,14 @@ tree can name and the chunked prefill has a state at.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
-# The chunked KDA prefill holds the state at every multiple of its chunk.
-KDA_CHUNK = 64
+from kimi_linear_jax.cache import KDA_CHUNK, CacheLayout  # noqa: F401  (KDA_CHUNK re-exported)
 
 
 def checkpoint_grid(page_size: int, dcp_size: int = 1) -> int:
     """lcm(state_chunk, tree_page): the depths where recurrent-state checkpoints may live."""
-    return math.lcm(max(KDA_CHUNK, page_size), page_size * dcp_size)
+    return CacheLayout(2, page_size, dcp_size).checkpoint_grid
 
 
 def resolve_track_interval(requested: int | None, page_size: int, dcp_size: int = 1) -> int:
