@@ -9,7 +9,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from kernels.mla_decode import kernel_supports
@@ -46,9 +45,6 @@ def _verify_logits(model):
     return np.asarray(run(params, cache))
 
 
-# Slow (~1 min: the kernel interprets on every rank). The kernel itself is tested against the
-# reference by default in tests/kernels.
-@pytest.mark.slow
 def test_kernel_under_tp_and_dcp_equals_one_device_reference():
     assert kernel_supports(KCONFIG.kv_lora_rank, KCONFIG.qk_rope_head_dim, PAGE)
     base = random_model(KCONFIG, seed=4)
