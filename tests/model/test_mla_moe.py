@@ -222,3 +222,21 @@ def test_router_grouping_and_bias_for_selection_only():
         weights = s[n, ids] / s[n, ids].sum() * cfg.routed_scaling_factor
         order = [list(np.asarray(idx[n])).index(i) for i in ids]
         assert_close(np.asarray(w[n])[order], weights, atol=1e-6, rtol_rms=1e-6, name=f"w{n}")
+
+
+@pytest.mark.parametrize("dispatch", ["tiled", "ragged", "dense"])
+def test_pairs_routed_to_other_ranks_contribute_nothing(dispatch):
+    """Expert parallelism hands each rank the ids of its own experts and the out-of-range id E
+    for pairs routed elsewhere: every path must equal the dense sum over the in-range pairs."""
+    cfg = preset("tiny")
+    experts = _random_moe(cfg, 3).experts
+    E, N, k = cfg.num_experts, 9, 3
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((N, cfg.hidden_size)), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (N, k)), jnp.float32)
+    idx = rng.integers(0, E, (N, k))
+    elsewhere = rng.uniform(size=(N, k)) < 0.4
+    kept = jnp.where(jnp.asarray(elsewhere), 0.0, w)
+    want = experts.dense(x, kept, jnp.asarray(idx, jnp.int32))
+    got = experts(x, w, jnp.asarray(np.where(elsewhere, E, idx), jnp.int32), dispatch)
+    assert_close(got, want, atol=1e-5, rtol_rms=1e-5, name=dispatch)
