@@ -208,16 +208,7 @@ def _group_size(groups: str) -> int:
     return len(first.group(1).split(",")) if first else 1
 
 
-SMALL = preset(
-    "tiny",
-    vocab_size=128,
-    num_attention_heads=8,
-    linear_num_heads=8,
-    linear_head_dim=8,
-    num_experts=16,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-)
+SMALL = preset("tiny-tp8")
 
 
 def _decode_setup(config, tp, dcp, combine, B, page=16, ctx=256):

@@ -321,6 +321,21 @@ def _tiny() -> KimiLinearConfig:
     )
 
 
+def _tiny_tp8() -> KimiLinearConfig:
+    # `tiny` with head, expert, vocab and MLP counts that every TP degree up to 8 shards:
+    # 8 MLA heads, 8 KDA heads, 16 experts (the parallel tests and benchmarks).
+    return dataclasses.replace(
+        _tiny(),
+        vocab_size=128,
+        num_attention_heads=8,
+        linear_num_heads=8,
+        linear_head_dim=8,
+        num_experts=16,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+    )
+
+
 def _small() -> KimiLinearConfig:
     # About 100M parameters with the release's head shapes (KDA d = 128, MLA 128/64/128, L = 512)
     # and its 3:1 KDA:MLA pattern: big enough for meaningful CPU throughput numbers.
@@ -347,13 +362,15 @@ def _small() -> KimiLinearConfig:
 
 PRESETS = {
     "tiny": _tiny,
+    "tiny-tp8": _tiny_tp8,
     "small": _small,
     "kimi-linear-48b-a3b": KimiLinearConfig,  # the defaults are the release's shapes
 }
 
 
 def preset(name: str, **overrides: Any) -> KimiLinearConfig:
-    """A named configuration ('tiny', 'small', 'kimi-linear-48b-a3b'), with field overrides."""
+    """A named configuration ('tiny', 'tiny-tp8', 'small', 'kimi-linear-48b-a3b'), with field
+    overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name](), **overrides)

@@ -24,16 +24,7 @@ from kimi_linear_jax.parallel.rules import init_cache, shard_model
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 
-CONFIG = preset(
-    "tiny",
-    vocab_size=128,
-    num_attention_heads=8,
-    linear_num_heads=8,
-    linear_head_dim=8,
-    num_experts=16,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-)
+CONFIG = preset("tiny-tp8")
 B, N1, N2, W, PAGE = 2, 13, 6, 3, 4  # rows, chunk 1, chunk 2, verify window, page a rank
 LENS1, LENS2 = np.array([13, 9]), np.array([6, 4])  # ragged rows
 PLANS = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 8)]
