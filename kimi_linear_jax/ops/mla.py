@@ -39,8 +39,11 @@ def paged_attention(
     impl: str, q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale: float
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed paged MLA by the implementation the model was built with: "kernel" (Pallas, a
-    GPU), "interpret" (the same kernel on a CPU, for tests) or "reference" (XLA). The kernel
-    falls back to the reference for dims it does not take (static shapes: decided at trace)."""
+    GPU), "interpret" (the same kernel on a CPU, for tests), "reference" (XLA) or "auto" (the
+    kernel on a GPU). The kernel falls back to the reference for dims it does not take
+    (static shapes: decided at trace)."""
+    if impl == "auto":
+        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
     if impl != "reference":
         if kernel_supports(q_lat.shape[-1], q_pe.shape[-1], cache.shape[1]):
             interpret = impl == "interpret"

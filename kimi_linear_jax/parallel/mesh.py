@@ -27,9 +27,10 @@ TP_AXES = (MODEL_AXIS, DCP_AXIS)  # the whole TP group
 # "ag_rs": all-gather the lse, rescale, reduce-scatter o over heads (vLLM);
 # "a2a": one all-to-all of (o, lse) over heads, then a local merge (sglang, tpu-inference).
 COMBINES = ("ag_rs", "a2a")
-# Paged MLA attention: the Pallas kernel (GPU), the XLA reference, or the kernel in interpret
-# mode (tests on a CPU).
-ATTENTION_IMPLS = ("reference", "kernel", "interpret")
+# Paged MLA attention: the Pallas kernel (GPU), the XLA reference, the kernel in interpret mode
+# (tests on a CPU), or "auto" (the kernel on a GPU, else the reference; `make_parallel` turns
+# it into one of the others when it builds a plan).
+ATTENTION_IMPLS = ("auto", "reference", "kernel", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Parallel:
     dcp_size: int = 1
     replicate_q_proj: bool = False
     combine: str = "ag_rs"
-    attention: str = "reference"
+    attention: str = "auto"
     mesh: Mesh | None = None
 
     @property
@@ -89,7 +90,7 @@ def validate(
     num_devices: int | None = None,
     *,
     combine: str = "ag_rs",
-    attention: str = "reference",
+    attention: str = "auto",
 ) -> None:
     """Raise ValueError (naming both numbers) for a plan the model or the machine cannot take.
     Runs before anything loads: it needs the config only."""
@@ -141,7 +142,7 @@ def make_parallel(
     """Validate, then build the mesh over the first tp devices: `[tp // dcp, dcp]` so that
     consecutive TP ranks share a DCP group. tp = dcp = 1 gives `SINGLE` (no mesh)."""
     tp, dcp = resolve_sizes(tensor_parallel_size, dcp_size)
-    attention = attention or default_attention()
+    attention = default_attention() if attention in (None, "auto") else attention
     devices = list(jax.devices() if devices is None else devices)
     validate(config, tp, dcp, len(devices), combine=combine, attention=attention)
     if tp == 1:

@@ -19,7 +19,7 @@ from flax import nnx
 from kimi_linear_jax.cache import contiguous_batch
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import merge
-from kimi_linear_jax.parallel.mesh import SINGLE, make_parallel
+from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.rules import init_cache, shard_model
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
@@ -112,6 +112,3 @@ def test_no_cache_forward_and_gradient_equal_one_device():
     for path, g in nnx.to_flat_state(got_g):
         assert_close(g[...], want[path][...], atol=1e-5, rtol_rms=1e-4, name=str(path))
 
-
-def test_one_device_plan_is_the_plain_model():
-    assert shard_model(base_model(), SINGLE).par == SINGLE
