@@ -6,6 +6,7 @@ and every variant lowers for CUDA (which enforces the Triton rules interpret mod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -207,8 +208,20 @@ def test_lowers_for_cuda(T, H, page_size, dtype, knobs):
     """The Triton rules (power-of-two tiles, dot operands >= 16, the 512 + 64 split) hold."""
     args = _abstract(B=3, T=T, H=H, L=512, R=64, page_size=page_size, P=7, dtype=dtype)
     fn = functools.partial(mla_paged_attention, sm_scale=576**-0.5, **knobs)
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with _abstract_gpu():
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
+
+
+def _abstract_gpu():
+    """jax >= 0.12 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
+    ("No supported GPU devices found" otherwise); jax 0.10 / 0.11 lower without one."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12):
+        return contextlib.nullcontext()
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200))
 
 
 @pytest.mark.gpu

@@ -111,4 +111,3 @@ def test_no_cache_forward_and_gradient_equal_one_device():
     want = dict(nnx.to_flat_state(want_g))
     for path, g in nnx.to_flat_state(got_g):
         assert_close(g[...], want[path][...], atol=1e-5, rtol_rms=1e-4, name=str(path))
-
