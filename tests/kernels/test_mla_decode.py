@@ -214,9 +214,9 @@ def test_lowers_for_cuda(T, H, page_size, dtype, knobs):
 
 
 def _abstract_gpu():
-    """jax >= 0.12 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
-    ("No supported GPU devices found" otherwise); jax 0.10 / 0.11 lower without one."""
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12):
+    """jax >= 0.11 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
+    ("No supported GPU devices found" otherwise); jax 0.10 lowers without one."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
         return contextlib.nullcontext()
     from jax.sharding import AbstractDevice, AbstractMesh
 
