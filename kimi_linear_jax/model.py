@@ -26,7 +26,7 @@ from kimi_linear_jax.layers.kda import commit
 from kimi_linear_jax.layers.linear import Embed, Linear
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.parallel import rules as sharding_rules
-from kimi_linear_jax.parallel.mesh import SINGLE, TP_AXES, Parallel, shard_map
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, shard_map
 
 
 class Backbone(nnx.Module):
@@ -124,24 +124,25 @@ class KimiLinearForCausalLM(nnx.Module):
         if not self.par.sharded:
             return fn(self, *args)
         graphdef, state = nnx.split(self)
-        rules = sharding_rules.ShardingRules.for_parallel(self.par)
 
         def local(state, *args):
             return fn(nnx.merge(graphdef, state), *args)
 
-        in_specs = (sharding_rules.param_specs(state, rules), *arg_specs)
+        in_specs = (sharding_rules.param_specs(state, self._rules), *arg_specs)
         return shard_map(local, self.par.mesh, in_specs, out_specs)(state, *args)
 
-    def _cache_specs(self, cache):
-        return sharding_rules.cache_specs(
-            cache, sharding_rules.ShardingRules.for_parallel(self.par)
-        )
+    @property
+    def _rules(self):
+        return sharding_rules.ShardingRules.for_parallel(self.par)
+
+    def _logits_spec(self, ndim: int) -> P:
+        """Logits leave the shard_map vocab-sharded, as lm_head computes them."""
+        return self._rules.spec((None,) * (ndim - 1) + ("vocab",), ndim)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """int32 [B, T] -> f32 logits [B, T, vocab]; no cache; differentiable."""
-        return self._sharded(
-            KimiLinearForCausalLM._forward, (input_ids,), (P(),), P(None, None, TP_AXES)
-        )
+        fn = KimiLinearForCausalLM._forward
+        return self._sharded(fn, (input_ids,), (P(),), self._logits_spec(3))
 
     def prefill(
         self,
@@ -159,8 +160,8 @@ class KimiLinearForCausalLM(nnx.Module):
         fn = functools.partial(
             KimiLinearForCausalLM._prefill, has_prefix=has_prefix, last_only=last_only
         )
-        cs = self._cache_specs(cache)
-        logits = P(None, TP_AXES) if last_only else P(None, None, TP_AXES)
+        cs = sharding_rules.cache_specs(cache, self._rules)
+        logits = self._logits_spec(2 if last_only else 3)
         return self._sharded(fn, (input_ids, cache, batch), (P(), cs, P()), (logits, cs))
 
     def verify(
@@ -169,10 +170,9 @@ class KimiLinearForCausalLM(nnx.Module):
         """Window pass over [B, T] new tokens. MLA rows are written; KDA states are NOT
         committed: returns the per-step states of every KDA layer (`KDAState` arrays with a
         step axis) for `commit_kda` to pick from once the accepted length is known."""
-        cs = self._cache_specs(cache)
-        rules = sharding_rules.ShardingRules.for_parallel(self.par)
-        steps = sharding_rules.per_step_specs(len(cache.kda), rules)
-        out = (P(None, None, TP_AXES), cs, steps)
+        cs = sharding_rules.cache_specs(cache, self._rules)
+        steps = sharding_rules.per_step_specs(len(cache.kda), self._rules)
+        out = (self._logits_spec(3), cs, steps)
         return self._sharded(
             KimiLinearForCausalLM._verify, (input_ids, cache, batch), (P(), cs, P()), out
         )
