@@ -41,9 +41,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimi_linear_jax.cache import contiguous_batch  # noqa: E402
 from kimi_linear_jax.config import preset  # noqa: E402
-from kimi_linear_jax.model import KimiLinearForCausalLM, decode_step  # noqa: E402
-from kimi_linear_jax.parallel.mesh import DCP_AXIS, MODEL_AXIS, make_parallel, validate  # noqa: E402
-from kimi_linear_jax.parallel.rules import ShardingRules, init_cache, shard_model, var_spec  # noqa: E402
+from kimi_linear_jax.model import decode_step  # noqa: E402
+from kimi_linear_jax.parallel.mesh import make_parallel, validate  # noqa: E402
+from kimi_linear_jax.parallel.rules import (  # noqa: E402
+    init_cache,
+    param_bytes_per_device,
+    shard_model,
+)
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
@@ -56,32 +60,6 @@ CONTEXT = 131072
 
 
 # ---- memory ------------------------------------------------------------------------------------
-
-
-def _axis_sizes(tp: int, dcp: int) -> dict[str, int]:
-    return {MODEL_AXIS: tp // dcp, DCP_AXIS: dcp}
-
-
-def _shard_elems(shape, spec, sizes) -> int:
-    n = 1
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        n *= dim // math.prod(sizes[a] for a in names)
-    return n
-
-
-def param_bytes_per_device(config, tp: int, dcp: int) -> tuple[int, int]:
-    """(bytes on each device, bytes in all) of the bf16 model under (tp, dcp): abstract."""
-    validate(config, tp, dcp, num_devices=tp)
-    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=jnp.bfloat16))
-    rules = ShardingRules()  # the default table (replicate_q_proj off)
-    sizes = _axis_sizes(tp, dcp)
-    per_device = total = 0
-    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        item = jnp.dtype(var.dtype).itemsize
-        total += math.prod(var.shape) * item
-        per_device += _shard_elems(var.shape, var_spec(var, rules), sizes) * item
-    return per_device, total
 
 
 def state_bytes_per_sequence(config, tp: int) -> int:
@@ -99,6 +77,7 @@ def memory_rows() -> list[dict]:
     cfg = preset(RELEASE)
     rows = []
     for name, _, gb, tp, dcp in SETUPS:
+        validate(cfg, tp, dcp, num_devices=tp)
         per_dev, total = param_bytes_per_device(cfg, tp, dcp)
         state = state_bytes_per_sequence(cfg, tp)
         latent = latent_bytes_per_token(cfg, dcp)

@@ -8,8 +8,10 @@ parameters (norms, routers, the MLA down-projection) are replicated.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -104,15 +106,17 @@ def shard_model(model, par: Parallel):
     that reads the plan gets it, every parameter moves to its shards. For tests and small
     models; large checkpoints load straight onto their shards with
     `checkpoint.load_pretrained(..., parallel=par)`."""
-    model = nnx.merge(*nnx.split(model))  # new modules over the same arrays
+    graphdef, state = nnx.split(model)
+    if par.sharded:
+        specs = param_specs(state, ShardingRules.for_parallel(par))
+        state = jax.device_put(state, shardings(specs, par.mesh))
+    else:
+        state = jax.tree.map(lambda x: x, state)
+    # A new tree of Variables: the original model keeps its own (and its placement).
+    model = nnx.merge(graphdef, state)
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "par"):
             module.par = par
-    if not par.sharded:
-        return model
-    state = nnx.state(model)
-    specs = param_specs(state, ShardingRules.for_parallel(par))
-    nnx.update(model, jax.device_put(state, shardings(specs, par.mesh)))
     return model
 
 
@@ -130,3 +134,31 @@ def init_cache(config, par: Parallel, *, num_slots: int, num_pages: int, page_si
         return make()
     specs = cache_specs(jax.eval_shape(make), ShardingRules.for_parallel(par))
     return jax.jit(make, out_shardings=shardings(specs, par.mesh))()
+
+
+def shard_elements(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) -> int:
+    """Elements of one device's shard of an array of `shape` laid out by `spec`."""
+    n = 1
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        n *= dim // math.prod(axis_sizes[a] for a in names)
+    return n
+
+
+def param_bytes_per_device(
+    config, tp: int, dcp: int = 1, *, dtype=jnp.bfloat16, replicate_q_proj: bool = False
+) -> tuple[int, int]:
+    """(bytes of parameters on each device, bytes in all) of `config` under (tp, dcp), from
+    the sharding rules and the abstract model: nothing is allocated, no device is needed."""
+    from kimi_linear_jax.model import KimiLinearForCausalLM
+
+    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dtype))
+    par = Parallel(tp, dcp, replicate_q_proj)
+    rules = ShardingRules.for_parallel(par)
+    sizes = {MODEL_AXIS: tp // dcp, DCP_AXIS: dcp}
+    per_device = total = 0
+    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        item = jnp.dtype(var.dtype).itemsize
+        total += math.prod(var.shape) * item
+        per_device += shard_elements(tuple(var.shape), var_spec(var, rules), sizes) * item
+    return per_device, total

@@ -15,7 +15,7 @@ from flax import nnx
 from kimi_linear_jax import checkpoint
 from kimi_linear_jax.checkpoint import load_pretrained, save_pretrained
 from kimi_linear_jax.parallel.mesh import make_parallel
-from kimi_linear_jax.parallel.rules import init_cache, shard_model
+from kimi_linear_jax.parallel.rules import init_cache, param_bytes_per_device, shard_model
 from serving.engine import LLM
 from tests.parallel.test_model_parallel import CONFIG, base_model
 
@@ -156,3 +156,26 @@ def test_dcp_alone_sets_the_tp_degree():
     ids = np.vectorize(lambda d: d.id)(par.mesh.devices)
     assert ids.tolist() == np.arange(8).reshape(4, 2).tolist()
     assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("tp,dcp,replicate", [(8, 2, False), (4, 4, True), (1, 1, False)])
+def test_abstract_bytes_per_device_equal_the_placed_shards(tp, dcp, replicate):
+    """The planner's figure (abstract, from the rules) is what a device really holds."""
+    par = make_parallel(CONFIG, tp, dcp, replicate_q_proj=replicate)
+    model = shard_model(base_model(), par)
+    device = jax.devices()[0]
+    held = sum(
+        s.data.nbytes for _, v in _params(model) for s in v.addressable_shards if s.device == device
+    )
+    want, total = param_bytes_per_device(
+        CONFIG, tp, dcp, dtype=jnp.float32, replicate_q_proj=replicate
+    )
+    assert held == want
+    assert total == sum(v.nbytes for _, v in _params(model))
+
+
+def test_shard_model_leaves_the_original_where_it_was(sharded):
+    """`sharded` (the fixture) was made from base_model(): that model is still on one device
+    and still built for one device."""
+    assert not base_model().par.sharded and sharded.par.sharded
+    assert all(len(v.devices()) == 1 for _, v in _params(base_model()))
