@@ -50,6 +50,7 @@ COUNTERS = (
     "prefill_tokens",
     "generation_tokens",
     "steps",
+    "step_errors",
     "preemptions",
 )
 
@@ -118,6 +119,7 @@ class _Tracked:
     cumulative_logprob: float | None
     text: str | None = None  # set when a stop string cut the text
     stop_reason: str | int | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class LLM:
@@ -230,6 +232,7 @@ class LLM:
         self._tracked: dict[str, _Tracked] = {}
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._counters["step_seconds"] = 0.0
+        self.last_error: str | None = None  # the last step fault (the server's /health shows it)
 
     # ---- public API: batches ---------------------------------------------------------------
 
@@ -362,15 +365,11 @@ class LLM:
             output = self.scheduler.schedule()
             if output.is_empty:
                 raise RuntimeError("scheduler made no progress")
-            sampled = self.runner.run(output, self.allocator, self.state_pool)
-            before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
-            self.scheduler.update(output, {rid: [s.token for s in v] for rid, v in sampled.items()})
-            for rid, samples in sampled.items():
-                self._record(rid, samples, before[rid])
-            touched += [rid for rid in sampled if rid not in touched]
+            try:
+                touched += self._run_step(output, touched)
+            except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+                touched += self._fail_step(output, e)
             self._counters["steps"] += 1
-            self._counters["preemptions"] += len(output.preempted)
-            self._counters["prefill_tokens"] += sum(c.length for c in output.prefill)
             self._counters["step_seconds"] += time.perf_counter() - t0
         outputs = [self._output(self._tracked[rid]) for rid in touched]
         for out in outputs:
@@ -380,6 +379,40 @@ class LLM:
         return outputs
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _run_step(self, output, touched: list[str]) -> list[str]:
+        """Run the scheduled step and apply its tokens; the ids of the requests it advanced."""
+        sampled = self.runner.run(output, self.allocator, self.state_pool)
+        before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
+        self.scheduler.update(output, {rid: [s.token for s in v] for rid, v in sampled.items()})
+        for rid, samples in sampled.items():
+            self._record(rid, samples, before[rid])
+        self._counters["preemptions"] += len(output.preempted)
+        self._counters["prefill_tokens"] += sum(c.length for c in output.prefill)
+        return [rid for rid in sampled if rid not in touched]
+
+    def _fail_step(self, output, error: Exception) -> list[str]:
+        """A step raised: its requests end with an error output and free what they held; the
+        others keep running. If the fault consumed the device caches (a donated buffer of a
+        call that failed), they are rebuilt and every running request fails too: their
+        state is gone."""
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        failed = self.scheduler.fail_step(output)
+        self._counters["step_errors"] += 1
+        self.last_error = message
+        if self.runner.caches_lost():
+            for request in list(self.scheduler.running):
+                self.scheduler.abort(request.request_id, "error")
+                failed.append(request)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # its pages and checkpoints lived in those caches
+            self.runner.reset_caches()
+        for request in failed:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None:
+                request.finish_reason = "error"
+                tracked.error = message
+        return [r.request_id for r in failed if r.request_id in self._tracked]
 
     def _make_drafter(self, dtype: str):
         spec = self.speculative
@@ -526,4 +559,5 @@ class LLM:
             cumulative_logprob=tracked.cumulative_logprob,
             stop_reason=tracked.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            error=tracked.error,
         )

@@ -212,7 +212,7 @@ class ModelRunner:
         self._width = self.max_pages_per_seq
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
-        self.cache = init_cache(
+        self._new_cache = lambda: init_cache(
             self.config,
             model.par,
             num_slots=layout.num_slots,
@@ -220,6 +220,18 @@ class ModelRunner:
             page_size=layout.tokens_per_page,
             dtype=model.dtype,
         )
+        self.cache = self._new_cache()
+
+    def caches_lost(self) -> bool:
+        """Whether a failed call consumed a donated cache (its buffers are deleted)."""
+        caches = [self.cache, getattr(self.drafter, "cache", None)]
+        return any(x.is_deleted() for x in jax.tree.leaves(caches))
+
+    def reset_caches(self) -> None:
+        """Fresh zeroed caches (the target's and the drafter's): every slot and page is empty."""
+        self.cache = self._new_cache()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     # ---- host-side batch building ----------------------------------------------------------
 

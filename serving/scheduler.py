@@ -515,6 +515,25 @@ class Scheduler:
                 self.allocator.release_tail(request.request_id, request.num_tokens)
         return finished
 
+    def fail_step(self, output: SchedulerOutput) -> list[Request]:
+        """The step of `output` raised before `update` finished: end it. Every request of the
+        step finishes with reason "error" (pages and slot freed), the checkpoint slots it
+        reserved go back, and the next `schedule` may run. Returns the requests it ended."""
+        self._in_flight = False
+        cache = self.prefix_cache
+        if cache is not None:
+            for _, slot, _ in output.snapshots:
+                cache.release_slot(slot)
+            for slot, _, _ in output.track.values():
+                cache.release_slot(slot)
+            cache.end_step(output.hits)
+        failed = []
+        for request in output.rows:
+            if not request.is_finished:
+                self._finish(request, "error")
+                failed.append(request)
+        return failed
+
     def _donate(self, output: SchedulerOutput, sampled) -> None:
         """Insert the step's snapshots into the tree (before any request of the step finishes
         and frees its pages). A verify's track snapshot counts only if its step was accepted."""

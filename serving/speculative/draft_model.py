@@ -59,7 +59,7 @@ class DraftModelDrafter(Drafter):
         self.par = model.par
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
-        self.cache = init_cache(
+        self._new_cache = lambda: init_cache(
             self.config,
             model.par,
             num_slots=layout.num_slots,
@@ -67,6 +67,7 @@ class DraftModelDrafter(Drafter):
             page_size=layout.tokens_per_page,
             dtype=model.dtype,
         )
+        self.cache = self._new_cache()
         self._per_step = None
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
@@ -101,6 +102,9 @@ class DraftModelDrafter(Drafter):
             num_steps=k + 1,
         )
         return tokens[:, :k], num
+
+    def reset(self) -> None:
+        self.cache, self._per_step = self._new_cache(), None
 
     def copy_slots(self, pairs, width: int) -> None:
         self.cache = copy_slots(self.cache, pairs, width)

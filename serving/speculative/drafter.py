@@ -40,3 +40,6 @@ class Drafter:
 
     def rollback(self, slots, commit_lens) -> None:
         """Keep the drafter's state for the accepted tokens only (drafters with caches)."""
+
+    def reset(self) -> None:
+        """Empty every slot and page (the engine rebuilt the target's caches after a fault)."""

@@ -297,3 +297,38 @@ def test_greedy_matches_transformers_generate(model, reference, tmp_path):
                 pad_token_id=0,
             )
         assert out[0, len(prompt) :].tolist() == ours
+
+
+# ---- a fault inside a step fails that step's requests, not the engine ------------------------
+
+
+def _fault_once(llm, *, lose_caches=False):
+    """Make the runner's next call raise (after consuming the caches, as a failed donated call
+    would, when `lose_caches`)."""
+    real = llm.runner.run
+    calls = []
+
+    def run(*args):
+        if not calls:
+            calls.append(1)
+            if lose_caches:
+                for x in jax.tree.leaves(llm.runner.cache):
+                    x.delete()
+            raise RuntimeError("injected fault")
+        return real(*args)
+
+    llm.runner.run = run
+
+
+@pytest.mark.parametrize("lose_caches", [False, True])
+def test_fault_in_a_step_fails_its_requests_and_the_engine_goes_on(model, reference, lose_caches):
+    llm = make_llm(model)
+    _fault_once(llm, lose_caches=lose_caches)
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert all("injected fault" in o.error for o in outs)
+    assert llm.metrics()["step_errors"] == 1 and "injected fault" in llm.last_error
+    assert_drained(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert_drained(llm)
