@@ -137,9 +137,10 @@ def validate_messages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        # isinstance first: a list or dict role is unhashable, so `in` would raise TypeError.
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ValueError(
-                f"messages[{index}]['role'] must be one of {sorted(CHAT_ROLES)}, got {role!r}"
+                f"messages[{index}]['role'] must be one of {sorted(CHAT_ROLES)}, got {role!r:.60}"
             )
         content = message.get("content")
         if not isinstance(content, str):

@@ -32,7 +32,7 @@ from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.prefix_cache import PrefixCache
 from serving.runner import ModelRunner
-from serving.sampling import SamplingParams, resolve_seed
+from serving.sampling import SamplingParams, is_int, resolve_seed
 from serving.scheduler import Request, Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
@@ -76,6 +76,14 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _iterable(x) -> bool:
+    try:
+        iter(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _config_of(model):
@@ -152,15 +160,18 @@ class LLM:
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
     ) -> None:
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("num_scheduler_steps", num_scheduler_steps),
-            ("page_size", page_size),
+        for name, value, low in (
+            ("max_num_seqs", max_num_seqs, 1),
+            ("num_scheduler_steps", num_scheduler_steps, 1),
+            ("page_size", page_size, 1),
+            ("num_pages", num_pages, 2),  # page 0 is reserved
+            ("max_num_batched_tokens", max_num_batched_tokens, 1),
+            ("chunk_size", chunk_size, 1),
+            ("num_checkpoint_slots", num_checkpoint_slots, 0),
+            ("max_model_len", max_model_len, 1),
         ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+            if value is not None and (not is_int(value) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         # Option errors before the (possibly slow) model load; the parallel plan is checked
         # against the config alone (heads, experts, vocab vs the TP degree, devices present).
         self.speculative = SpeculativeConfig.parse(speculative)
@@ -506,11 +517,13 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
+            ids = [int(t) for t in prompt]
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError) as e:
-                raise ValueError("prompt must be a str or a list of ints") from e
+            bad = (
+                next((t for t in prompt if not is_int(t)), prompt) if _iterable(prompt) else prompt
+            )
+            raise ValueError(f"prompt must be a str or a list of token ids (ints), got {bad!r:.60}")
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.config.vocab_size

@@ -11,6 +11,7 @@ Dimension letters: B batch rows, V vocab, N top-logprob count (static).
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -47,8 +48,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
 
+    def __post_init__(self) -> None:
+        # vLLM's forms: one stop string, or lists. Only the container changes here; the values
+        # are checked, never converted, by `validate`.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first field outside its limit."""
+        """Raise ValueError naming the first field of a wrong type or outside its limit. The
+        one check every entry point uses (offline API, CLI, JSONL lines, HTTP): no coercion,
+        so "0.5", 2.5 tokens, True as a token id or an infinite temperature are all refused."""
+        self._check_types()
         # `not (x >= lo)` rather than `x < lo` so that NaN is rejected too.
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -72,6 +85,55 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    def _check_types(self) -> None:
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not is_number(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r:.60}")
+        for name in ("top_k", "max_tokens"):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r:.60}")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                raise ValueError(f"{name} must be an integer or None, got {value!r:.60}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r:.60}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple | list) or not all(is_int(t) for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r:.60}")
+        stop = self.stop
+        if not isinstance(stop, tuple | list) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.60}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop: an empty stop string would end every request at once")
+
+
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def is_int(x) -> bool:
+    """An integer proper: bool (an int subclass) and integral floats are not."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def is_number(x) -> bool:
+    return is_int(x) or isinstance(x, float | np.floating)
 
 
 def resolve_seed(params: SamplingParams) -> int:

@@ -412,7 +412,9 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatRequest):
         self._check_model(body.model)
         prompt = self._chat_prompt(body.messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:  # 0 is a value (and is refused), not a missing field
+            max_tokens = body.max_tokens
         if max_tokens is None:  # OpenAI's default: whatever the context has left
             max_tokens = max(self.llm.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -574,8 +576,10 @@ def _flatten_content(message):
     """OpenAI content parts ([{"type": "text", "text": ...}]) joined into one string."""
     if isinstance(message, dict) and isinstance(message.get("content"), list):
         parts = message["content"]
-        if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-            return {**message, "content": "".join(str(p.get("text", "")) for p in parts)}
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
+            return {**message, "content": "".join(texts)}
+        # Anything else stays a list: validate_messages names the field (a 400).
     return message
 
 

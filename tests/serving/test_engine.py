@@ -147,6 +147,38 @@ def test_bad_request_fails_alone(model, reference, prompt, params, match):
     assert_drained(llm)
 
 
+# Badly typed input (issue 12, defects 3, 7 and 8): each is refused by name, never coerced.
+BAD_TYPES = [
+    ([float("inf")], GREEDY, r"prompt must be a str or a list of token ids \(ints\), got inf"),
+    ([1.5, 2.7], GREEDY, "list of token ids .ints., got 1.5"),
+    (["65", "66"], GREEDY, "list of token ids .ints., got '65'"),
+    ([True, 2], GREEDY, "list of token ids .ints., got True"),
+    (7, GREEDY, "list of token ids .ints., got 7"),
+    ([1], SamplingParams(temperature="0.5"), "temperature must be a finite number, got '0.5'"),
+    ([1], SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+    ([1], SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a fin"),
+    ([1], SamplingParams(max_tokens=None), "max_tokens must be an integer, got None"),
+    ([1], SamplingParams(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
+    ([1], SamplingParams(seed=1.5, temperature=1), "seed must be an integer or None, got 1.5"),
+    ([1], SamplingParams(stop=(None,)), r"stop must be a string or a list of strings"),
+    ([1], SamplingParams(stop=""), "stop: an empty stop string"),
+    ([1], SamplingParams(stop_token_ids=None), "stop_token_ids must be a list of integers"),
+    ([1], SamplingParams(stop_token_ids=[True]), "stop_token_ids must be a list of integers"),
+    ([1], SamplingParams(ignore_eos=1), "ignore_eos must be a bool"),
+]
+
+
+def test_badly_typed_input_fails_alone_by_name(model, reference):
+    llm = make_llm(model)
+    prompts = [p for p, _, _ in BAD_TYPES] + [PROMPTS[0]]
+    outs = llm.generate(prompts, [s for _, s, _ in BAD_TYPES] + [GREEDY], use_tqdm=False)
+    assert outs[-1].token_ids == reference[0]
+    for i, (out, (_, _, match)) in enumerate(zip(outs, BAD_TYPES)):
+        assert out.finish_reason == "error" and out.error.startswith(f"prompt {i}: ")
+        assert re.search(match, out.error), out.error
+    assert_drained(llm)
+
+
 def test_sampling_params_count_mismatch(model):
     with pytest.raises(ValueError, match="1 sampling_params for 2 prompts"):
         make_llm(model).generate([[1], [2]], [GREEDY])
