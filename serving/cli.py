@@ -16,6 +16,7 @@ import sys
 import time
 
 from kimi_linear_jax.parallel.mesh import COMBINES
+from kimi_linear_jax.tokenizer import validate_messages
 from serving.sampling import SamplingParams
 
 # Engine flags shared by `generate` and `serve`: (flag, type, default, help), with `LLM`'s
@@ -261,6 +262,7 @@ def _line_prompt(request: dict, llm):
         if not isinstance(prompt, str | list):
             raise ValueError("prompt must be a string or a list of token ids")
         return prompt
+    validate_messages(request["messages"])
     if llm.tokenizer is None:
         raise ValueError("messages need a tokenizer; this model has none")
     return llm.tokenizer.apply_chat_template(request["messages"])

@@ -77,6 +77,9 @@ def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_pat
         json.dumps({"prompt": PROMPTS[0], "colour": "red"}),
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}),  # no tokenizer
         json.dumps({"prompt": PROMPTS[0], "seed": "abc"}),
+        '{"prompt": [1e400]}',  # json reads inf
+        json.dumps({"messages": [{"role": ["user"], "content": "x"}]}),
+        json.dumps({"prompt": [1.5, 2]}),
     ]
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
     out_file = tmp_path / "out.jsonl"
@@ -95,6 +98,9 @@ def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_pat
         (5, "line 6: unknown field(s) ['colour']"),
         (6, "line 7: messages need a tokenizer"),
         (7, "line 8: seed has the wrong type"),
+        (8, "line 9: prompt must be a str or a list of token ids (ints), got inf"),
+        (9, "line 10: messages[0]['role'] must be one of"),
+        (10, "line 11: prompt must be a str or a list of token ids (ints), got 1.5"),
     ]:
         assert set(rows[n]) == {"error"} and match in rows[n]["error"], rows[n]
 
