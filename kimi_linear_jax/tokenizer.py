@@ -12,6 +12,7 @@ import base64
 import functools
 import json
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from itertools import groupby
 from pathlib import Path
@@ -88,8 +89,11 @@ class Tokenizer(abc.ABC):
         self._eos_token = eos_token
 
     @abc.abstractmethod
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Ids for `text`; special-token strings in it become their ids."""
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        """Ids for `text`. Special-token strings in it become their ids, unless
+        `parse_special=False`: then they are encoded as the plain text they are."""
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -108,6 +112,39 @@ class Tokenizer(abc.ABC):
             bos_token=self._bos_token or "",
             eos_token=self._eos_token or "",
         )
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered conversation in which only the template's own markup yields
+        special ids: message content is encoded as plain text, so a user cannot forge a turn
+        boundary by writing `<|im_end|>` (vLLM and HF do the same for chat).
+
+        The template is rendered with a unique marker in place of each content, and the pieces
+        between markers are encoded with special tokens parsed, the contents without. A
+        template that rewrites content (trims it, say) defeats the markers: then the rendered
+        text is encoded whole, which is safe only if no content holds special-token text, and
+        a ValueError names the message otherwise.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        marks = [f"\ue000{secrets.token_hex(8)}\ue001" for _ in messages]
+        contents = {m: msg["content"] for m, msg in zip(marks, messages, strict=True)}
+        masked = [{**msg, "content": m} for m, msg in zip(marks, messages, strict=True)]
+        rendered = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt)
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
+        if "".join(contents.get(p, p) for p in pieces) == text:
+            ids: list[int] = []
+            for p in pieces:
+                content = contents.get(p)
+                ids += (
+                    self.encode(p) if content is None else self.encode(content, parse_special=False)
+                )
+            return ids
+        for index, msg in enumerate(messages):
+            if self.encode(msg["content"], parse_special=False) != self.encode(msg["content"]):
+                raise ValueError(
+                    f"messages[{index}]['content'] holds special-token text, and this chat "
+                    "template rewrites content, so it cannot be kept plain text"
+                )
+        return self.encode(text)
 
     # Subclasses say which ids they can decode and which are special, and `_decodable` turns
     # any id sequence into backend ids plus placeholder strings, so no backend sees a bad id.
@@ -167,8 +204,12 @@ class ByteTokenizer(Tokenizer):
         self.bos_token_id = self._special_ids["[BOS]"]
         self.eos_token_ids = _eos_ids(self._special_ids)
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
+        if not parse_special:
+            return ids + list(text.encode("utf-8"))
         # re.split with one capture group alternates plain text (even) and specials (odd).
         for index, piece in enumerate(self._special_re.split(text)):
             if index % 2:
@@ -237,8 +278,13 @@ class TiktokenTokenizer(Tokenizer):
             eos_token=_token_content(config.get("eos_token")),
         )
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        ids = self._encoding.encode(text, allowed_special="all")
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        if parse_special:
+            ids = self._encoding.encode(text, allowed_special="all")
+        else:  # special-token strings are ordinary text here
+            ids = self._encoding.encode(text, allowed_special=set(), disallowed_special=())
         if add_special_tokens and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -289,9 +335,16 @@ class HFTokenizer(Tokenizer):
             eos_token=_token_content(config.get("eos_token")),
         )
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]:
         # The library's own post-processor decides what "special tokens" to add (e.g. BOS).
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_special_tokens` makes it encode special-token strings as plain text.
+        self._tokenizer.encode_special_tokens = not parse_special
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._tokenizer.encode_special_tokens = False
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         chunks = []

@@ -265,7 +265,7 @@ def _line_prompt(request: dict, llm):
     validate_messages(request["messages"])
     if llm.tokenizer is None:
         raise ValueError("messages need a tokenizer; this model has none")
-    return llm.tokenizer.apply_chat_template(request["messages"])
+    return llm.tokenizer.encode_chat(request["messages"])  # content stays plain text
 
 
 def _batch(args, llm, defaults, lines: list[str]) -> int:

@@ -287,10 +287,9 @@ class LLM:
         prompts: list = []
         for c in conversations:
             try:
+                # Content is plain text: only the template's markup yields special ids.
                 prompts.append(
-                    self.tokenizer.apply_chat_template(
-                        c, add_generation_prompt=add_generation_prompt
-                    )
+                    self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)
                 )
             except ValueError as e:
                 prompts.append(e)  # this conversation fails alone

@@ -443,7 +443,7 @@ class OpenAIServer:
         messages = [_flatten_content(m) for m in messages]
         try:
             validate_messages(messages)
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+            return self.tokenizer.encode_chat(messages)  # content never yields special ids
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
