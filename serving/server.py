@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -64,9 +65,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def _param_of(message: str) -> str | None:
     """The field a SamplingParams / engine ValueError names first ("top_p must be ...")."""
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].rstrip(":")
     fields = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
-    return word if word in fields else None
+    if word in fields:
+        return word
+    # The engine's prompt checks ("token id 999 is outside ...", "prompt length ... exceeds").
+    return "prompt" if word in ("token", "prompt") else None
 
 
 # ---- request bodies ----------------------------------------------------------------------------
@@ -435,7 +439,10 @@ class OpenAIServer:
             return prompt
         if self.tokenizer is None:
             raise bad_request("a text prompt needs a tokenizer; pass token ids", "prompt")
-        return self.tokenizer.encode(prompt)
+        try:
+            return self.tokenizer.encode(prompt)
+        except ValueError as e:  # UnicodeEncodeError: a lone surrogate is not text
+            raise bad_request(f"prompt is not valid text: {e}", "prompt") from e
 
     def _chat_prompt(self, messages: list) -> list[int]:
         if self.tokenizer is None:
@@ -539,9 +546,11 @@ class OpenAIServer:
             async for out in outputs:
                 final = out
                 text = delta(out)
-                logprobs = _logprobs(self.tokenizer, out, sent_tokens, chat)
-                sent_tokens = len(out.token_ids)
                 if text or out.finished:
+                    # A chunk held back (a partial UTF-8 character, a possible stop string)
+                    # keeps its tokens' logprobs for the chunk that carries their text.
+                    logprobs = _logprobs(self.tokenizer, out, sent_tokens, chat)
+                    sent_tokens = len(out.token_ids)
                     piece = {"content": text} if chat else text
                     chunk = _chunk(self, ticket, piece, out.finish_reason, chat, logprobs)
                     yield _event(chunk)
@@ -622,11 +631,22 @@ def _full_response(server, ticket, out: RequestOutput, chat: bool) -> dict:
     return {**head, "model": server.model_name, "choices": [choice], **_usage(out)}
 
 
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text, distinct per id: a token that is not valid UTF-8 on its own (a byte of
+    a multi-byte character decodes to U+FFFD) is named `token_id:N` (vLLM's form), so the
+    completions API's `top_logprobs`, keyed by text, keeps one entry per token."""
+    text = tokenizer.decode([token]) if tokenizer is not None else None
+    return f"token_id:{token}" if not text or "\ufffd" in text else text
+
+
 def _logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):
     """OpenAI logprobs of tokens[start:] (None unless the request asked for them)."""
     if out.logprobs is None:
         return None
-    piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    if chat:  # chat entries carry their bytes, so keys never collide there
+        piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    else:
+        piece = functools.partial(_token_text, tokenizer)
     rows = []
     for token, entry in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
         top = sorted(entry.items(), key=lambda kv: -kv[1])

@@ -166,6 +166,24 @@ BAD = [
     ("chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
     ("chat/completions", {"messages": [{"role": "x", "content": "y"}]}, 400, "role"),
     ("chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p must be in"),
+    # Issue 12: input that used to be a 500 or silently coerced.
+    ("completions", '{"prompt": "\\ud800abc"}', 400, "prompt is not valid text"),  # lone surrogate
+    ("chat/completions", {"messages": [{"role": ["user"], "content": "y"}]}, 400, "role"),
+    ("chat/completions", {"messages": [{"role": {"a": 1}, "content": "y"}]}, 400, "role"),
+    ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_tokens"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]},
+        400,
+        "content",
+    ),
+    ("completions", {"prompt": "x", "stop": ""}, 400, "empty stop string"),
+    ("completions", {"prompt": "x", "stop": ["a", ""]}, 400, "empty stop string"),
+    ("completions", '{"prompt": "x", "temperature": Infinity}', 400, "temperature must be a fin"),
+    ("completions", '{"prompt": "x", "repetition_penalty": NaN}', 400, "repetition_penalty"),
+    ("completions", {"prompt": [1.5, 2.7]}, 400, "prompt"),
+    ("completions", {"prompt": [True, 2]}, 400, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
 ]
 
 
@@ -179,6 +197,11 @@ def test_bad_request_gets_openai_error(url, path, body, status, match):
     error = r.json()["error"]
     assert match in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_out_of_vocabulary_prompt_names_the_prompt(url):
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 999]}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_server_keeps_serving_after_bad_requests(client, offline, url):
@@ -263,3 +286,45 @@ def test_load_32_streaming_clients(url, offline):
     assert len(results) == 64
     assert all(text == refs[prompt] for prompt, text in results)
     wait_drained(url)
+
+
+def _sse_chunks(url, path, body):
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/{path}", json=body, timeout=TIMEOUT) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_equal_non_streamed(url, chat):
+    """Issue 12, defect 5: chunks held back for a partial UTF-8 character (the byte model's
+    text is full of them) must not lose their tokens' logprobs."""
+    body = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    if chat:
+        path, body = "chat/completions", {**body, "messages": MESSAGES, "logprobs": True}
+        body["top_logprobs"] = 1
+    else:
+        path, body = "completions", {**body, "prompt": "Hello", "logprobs": 1}
+    full = httpx.post(f"{url}/v1/{path}", json=body, timeout=TIMEOUT).json()["choices"][0]
+    streamed = [c["choices"][0] for c in _sse_chunks(url, path, {**body, "stream": True})]
+    parts = [c["logprobs"] for c in streamed if c.get("logprobs")]
+    if chat:
+        got = [e for p in parts for e in p["content"]]
+        assert got == full["logprobs"]["content"] and len(got) == 30
+        text = "".join(c["delta"].get("content") or "" for c in streamed)
+        assert text == full["message"]["content"]
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            got = [e for p in parts for e in p[key]]
+            assert got == full["logprobs"][key] and len(got) == 30, key
+        assert "".join(c["text"] for c in streamed) == full["text"]
+
+
+def test_completion_top_logprobs_keep_one_entry_per_token(url):
+    """Issue 12: byte tokens that decode to U+FFFD alone must not collide as keys."""
+    body = dict(prompt="Hello", max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    tops = got["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(len(top) == 5 for top in tops), tops
