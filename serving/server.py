@@ -63,6 +63,14 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
+# nginx's "client closed request": logged for a non-streaming client that went away.
+CLIENT_CLOSED = 499
+# How often a non-streaming handler checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+# Bound on a graceful shutdown: running requests get this long, then are cancelled.
+SHUTDOWN_GRACE_S = 5
+
+
 def _param_of(message: str) -> str | None:
     """The field a SamplingParams / engine ValueError names first ("top_p must be ...")."""
     word = message.split(" ", 1)[0].rstrip(":")
@@ -163,14 +171,20 @@ class EngineLoop:
         self._resumed = threading.Event()
         self._resumed.set()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.broken: str | None = None  # set when a step raised out of the engine itself
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop stepping; requests still running end with an error (bounded shutdown)."""
         self._stop.set()
         self._resumed.set()
         self._thread.join(timeout=30)
+        for rid, stream in self._streams.items():
+            stream.push(RuntimeError("server shutting down"))
+            self.llm.abort_request(rid)
+        self._streams.clear()
 
     @property
     def alive(self) -> bool:
@@ -227,11 +241,13 @@ class EngineLoop:
             outputs = self.llm.step()
         except Exception as e:  # the engine broke: fail every request rather than hang them
             log.exception("engine step failed")
+            self.broken = f"{type(e).__name__}: {e}"
             for rid, stream in self._streams.items():
                 stream.push(RuntimeError(f"engine step failed: {e}"))
                 self.llm.abort_request(rid)
             self._streams.clear()
             return
+        self.broken = None
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -397,23 +413,32 @@ class OpenAIServer:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
-        if self.engine.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        """503 when the engine cannot step: its thread stopped, or a step fault it could not
+        recover from. A fault it recovered from (the step's requests failed alone) is shown
+        as `last_error` with status ok."""
+        if not self.engine.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        if self.engine.broken is not None:
+            body = {"status": "engine cannot step", "error": self.engine.broken}
+            return JSONResponse(body, status_code=503)
+        body = {"status": "ok"}
+        if self.llm.last_error is not None:
+            body["last_error"] = self.llm.last_error
+        return JSONResponse(body)
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type="text/plain")
 
     # ---- generation endpoints ----
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         prompt = self._completion_prompt(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs)
-        return await self._respond(body, prompt, params, chat=False)
+        return await self._respond(request, body, prompt, params, chat=False)
 
-    async def chat_completions(self, body: ChatRequest):
+    async def chat_completions(self, body: ChatRequest, request: Request):
         self._check_model(body.model)
         prompt = self._chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens
@@ -423,7 +448,7 @@ class OpenAIServer:
             max_tokens = max(self.llm.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs)
-        return await self._respond(body, prompt, params, chat=True)
+        return await self._respond(request, body, prompt, params, chat=True)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -454,7 +479,7 @@ class OpenAIServer:
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
-    async def _respond(self, body, prompt: list[int], params: SamplingParams, chat: bool):
+    async def _respond(self, request, body, prompt: list[int], params: SamplingParams, chat):
         ticket = await self._admit(prompt, params)
         outputs = self._outputs(ticket)
         if body.stream:
@@ -463,13 +488,35 @@ class OpenAIServer:
             self.metrics.requests.labels("200").inc()
             return _EventStream(events, on_close=lambda: self._release(ticket))
         try:
+            final = await self._final_or_disconnect(outputs, request)
+        finally:
+            self._release(ticket)  # a client gone: the request is aborted here
+        if final is None:
+            self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+        self.metrics.requests.labels("200").inc()
+        return _full_response(self, ticket, final, chat)
+
+    async def _final_or_disconnect(self, outputs, request) -> RequestOutput | None:
+        """The final output, or None as soon as the client has gone (polled while waiting:
+        a non-streaming client that gives up must not keep its request running)."""
+
+        async def last():
             final = None
             async for out in outputs:
                 final = out
+            return final
+
+        task = asyncio.ensure_future(last())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
         finally:
-            self._release(ticket)
-        self.metrics.requests.labels("200").inc()
-        return _full_response(self, ticket, final, chat)
+            task.cancel()
 
     # ---- request lifecycle ----
 
@@ -523,6 +570,8 @@ class OpenAIServer:
                 last, count = now, len(out.token_ids)
             if out.finished:
                 ticket.done = True
+            if out.finish_reason == "error":  # the engine failed this request's step
+                raise ApiError(500, out.error or "engine error", "server_error")
             yield out
             if out.finished:
                 return
@@ -693,7 +742,15 @@ def build_app(llm: LLM, **kwargs) -> FastAPI:
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
     """Serve until interrupted (the `kimi-linear-jax serve` command)."""
-    uvicorn.run(build_app(llm, **kwargs), host=host, port=port, log_level="info")
+    uvicorn.run(
+        build_app(llm, **kwargs),
+        host=host,
+        port=port,
+        log_level="info",
+        # SIGINT / SIGTERM: stop accepting, give running requests this long, then cancel them
+        # (their handlers abort them in the engine) and stop the engine loop.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
 
 
 class BackgroundServer:

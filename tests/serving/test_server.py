@@ -233,6 +233,22 @@ def test_disconnect_mid_stream_frees_the_request(url):
     assert metric(url, "kimi_linear_engine_aborted_total") == aborted + 1
 
 
+def test_non_streaming_client_gone_aborts_its_request(url, server):
+    """Issue 12, defect 1: a non-streaming client that gives up is noticed while its handler
+    waits, and its request is aborted (not run for 200 tokens or until the timeout)."""
+    aborted = metric(url, "kimi_linear_engine_aborted_total")
+    body = {"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True}
+    server.engine.pause()  # the request cannot finish before the client's 1 s timeout
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1)
+    finally:
+        server.engine.resume()
+    wait_drained(url)
+    assert metric(url, "kimi_linear_engine_aborted_total") == aborted + 1
+    assert metric(url, "kimi_linear_server_in_flight") == 0
+
+
 def test_queue_full_is_503_and_timeout_is_504(url, server):
     """The engine loop is held (paused) so the queue fills and a deadline passes for sure."""
     body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
@@ -328,3 +344,101 @@ def test_completion_top_logprobs_keep_one_entry_per_token(url):
     got = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
     tops = got["choices"][0]["logprobs"]["top_logprobs"]
     assert all(len(top) == 5 for top in tops), tops
+
+
+# ---- faults and shutdown (issue 12, defects 2 and 10) ---------------------------------------
+
+
+@pytest.fixture
+def fresh(setup):
+    """A second server over a new engine of the same shapes (the compiled steps are shared)."""
+    offline = setup[2]
+    llm = LLM(offline.model, tokenizer=offline.tokenizer, **SHAPES)
+    app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=120)
+    with BackgroundServer(app) as server:
+        yield server.url, app.state.server, llm
+
+
+def test_a_step_fault_is_a_500_and_the_server_goes_on(fresh, offline):
+    url, server, llm = fresh
+    real, calls = llm.runner.run, []
+
+    def fault_once(*args):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected fault")
+        return real(*args)
+
+    llm.runner.run = fault_once
+    body = {"prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    health = httpx.get(f"{url}/health", timeout=TIMEOUT)
+    assert health.status_code == 200 and "injected fault" in health.json()["last_error"]
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline("Hello").text
+    wait_drained(url)
+
+
+def test_a_fault_inside_a_stream_is_an_error_event(fresh):
+    url, server, llm = fresh
+    real, calls = llm.runner.run, []
+
+    def fault_second(*args):  # the prefill runs, the first decode step faults
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return real(*args)
+
+    llm.runner.run = fault_second
+    body = {"prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    chunks = _sse_chunks(url, "completions", body)
+    assert "error" in chunks[-1] and "injected fault" in chunks[-1]["error"]["message"]
+    wait_drained(url)
+
+
+def test_an_engine_that_cannot_step_is_unhealthy(fresh):
+    url, server, llm = fresh
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    llm.step = broken
+    body = {"prompt": "Hello", "max_tokens": MAX_TOKENS}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 500
+    health = httpx.get(f"{url}/health", timeout=TIMEOUT)
+    assert health.status_code == 503 and "device lost" in health.json()["error"]
+
+
+def test_shutdown_is_bounded_with_a_request_in_flight(setup):
+    """Issue 12, defect 10: stopping the server does not wait for a request that cannot end."""
+    offline = setup[2]
+    llm = LLM(offline.model, tokenizer=offline.tokenizer, **SHAPES)
+    app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=600)
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        server = BackgroundServer(app).__enter__()
+        app.state.server.engine.pause()  # the request never finishes by itself
+        pending = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        server.__exit__(None, None, None)
+        assert time.monotonic() - t0 < 15
+        try:
+            r = pending.result(timeout=30)
+            assert r.status_code >= 500
+        except httpx.HTTPError:
+            pass  # the connection was closed: also an ending
+    assert not app.state.server.engine.alive
+
+
+def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
+    """`kimi-linear-jax serve` hands uvicorn a bound: SIGINT / SIGTERM cancel what still runs
+    after it (uvicorn's default is to wait for every request, however long)."""
+    import serving.server as server_module
+
+    seen = {}
+    monkeypatch.setattr(server_module.uvicorn, "run", lambda app, **kw: seen.update(kw))
+    server_module.serve(setup[2], port=0)
+    assert 0 < seen["timeout_graceful_shutdown"] <= 10
