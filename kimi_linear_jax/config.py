@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -26,6 +27,48 @@ _REQUIRED = (
     "linear_attn_config",
 )
 _LINEAR_REQUIRED = ("num_heads", "head_dim")
+
+
+# Scalar fields and their lower bounds (the checks of `KimiLinearConfig._check_types`).
+_INT_FIELDS = {
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "model_max_length",
+            "linear_num_heads",
+            "linear_head_dim",
+            "short_conv_kernel_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "moe_layer_freq",
+            "num_expert_group",
+            "topk_group",
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        ("qk_rope_head_dim", "num_experts", "num_shared_experts", "first_k_dense_replace"), 0
+    ),
+}
+_FLOAT_FIELDS = ("rms_norm_eps", "kv_a_layernorm_eps", "routed_scaling_factor")
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "mla_use_nope",
+    "use_grouped_topk",
+    "moe_renormalize",
+    "moe_weights_include_bias",
+)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +190,7 @@ class KimiLinearConfig:
 
     # ---- validation ------------------------------------------------------------------------
     def _validate(self) -> None:
+        self._check_types()
         n = self.num_hidden_layers
         both = set(self.kda_layers) & set(self.full_attn_layers)
         if both:
@@ -182,6 +226,32 @@ class KimiLinearConfig:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+
+    def _check_types(self) -> None:
+        """Each scalar field has its type and range, or a ValueError names it: a config.json
+        with "hidden_size": "64" must not reach JAX, nor vocab_size -5 the loader."""
+        for name, low in _INT_FIELDS.items():
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r:.60}")
+        for name in ("bos_token_id", "pad_token_id", "q_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or null, got {value!r}")
+        eos = self.eos_token_id
+        eos_ok = (
+            eos is None or _is_int(eos) or (isinstance(eos, tuple) and all(_is_int(e) for e in eos))
+        )
+        if not eos_ok:
+            raise ValueError(f"eos_token_id must be an integer or a list of them, got {eos!r:.60}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r:.60}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r:.60}")
 
     # ---- HF config.json --------------------------------------------------------------------
     @classmethod

@@ -319,6 +319,28 @@ def test_invalid_values(field, value, pattern):
         KimiLinearConfig.from_hf_config(hf)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("hidden_size", "64", r"hidden_size must be an integer >= 1, got '64'"),
+        ("vocab_size", -5, r"vocab_size must be an integer >= 1, got -5"),
+        ("num_attention_heads", 4.0, r"num_attention_heads must be an integer >= 1, got 4.0"),
+        ("num_experts", True, r"num_experts must be an integer >= 0, got True"),
+        ("rms_norm_eps", "1e-5", r"rms_norm_eps must be a finite number > 0"),
+        ("routed_scaling_factor", float("nan"), r"routed_scaling_factor must be a finite"),
+        ("moe_renormalize", "yes", r"moe_renormalize must be true or false"),
+        ("bos_token_id", -1, r"bos_token_id must be a non-negative integer or null"),
+        ("eos_token_id", "2", r"eos_token_id must be an integer or a list of them"),
+    ],
+)
+def test_config_field_types_and_ranges(field, value, match):
+    """Issue 12, defect 9: a wrong type or range names the field (not a JAX traceback)."""
+    hf = preset("tiny").to_hf_config()
+    hf[field] = value
+    with pytest.raises(ValueError, match=match):
+        KimiLinearConfig.from_hf_config(hf)
+
+
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         preset("huge")

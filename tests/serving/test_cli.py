@@ -165,6 +165,18 @@ def test_parallel_flags_keep_greedy_output(checkpoint, reference, capsys, device
     assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
 
 
+def test_config_of_a_wrong_type_exits_2(capsys, tmp_path):
+    """Issue 12, defect 9: a config.json field of the wrong type is a named error, exit 2."""
+    from kimi_linear_jax.config import preset
+
+    hf = preset("tiny").to_hf_config()
+    hf["hidden_size"] = "64"
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").write_bytes(b"unused")
+    rc, out, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt-ids", "1")
+    assert rc == 2 and "hidden_size must be an integer >= 1, got '64'" in err
+
+
 def test_tp_not_dividing_the_heads_exits_2(checkpoint, capsys):
     rc, out, err = run(capsys, "generate", "--prompt-ids", "1", "-tp", "3", *FLAGS)
     # The built-in model has 6 MLA and KDA heads and 8 experts: 3 divides the heads only.
