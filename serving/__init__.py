@@ -1,0 +1,9 @@
+"""Serving: the engine (`LLM`), its scheduler, caches, speculative decoding and the server.
+
+vLLM's import habit works: `from serving import LLM, SamplingParams`.
+"""
+
+from serving.engine import LLM, RequestOutput
+from serving.sampling import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -1,9 +1,6 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLM`.
-
-The engine is not thread-safe, so one background thread (`EngineLoop`) owns the `LLM`: HTTP
-handlers never touch it, they put add / abort commands on a thread-safe queue that the loop
-drains before each step, and the loop hands each request's outputs back to the asyncio side
-through a per-request `asyncio.Queue` (`loop.call_soon_threadsafe`).
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLM`: the app, its metrics and
+how it runs. The request and response bodies are in `serving/protocol.py`; the thread that
+owns the engine is `serving/engine_loop.py`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /metrics (Prometheus, one registry per server). Errors use OpenAI's body
@@ -15,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -32,11 +26,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.engine import COUNTERS, LLM, RequestOutput
+from serving.engine_loop import EngineLoop, Stream
+from serving.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    TextDelta,
+    bad_request,
+    flatten_content,
+    full_response,
+    openai_logprobs,
+    param_of,
+    sampling_params,
+    sse_event,
+    stream_chunk,
+    usage_body,
+)
 from serving.sampling import SamplingParams
 
 DEFAULT_MODEL_NAME = "kimi-linear-default"
@@ -46,215 +55,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 log = logging.getLogger("kimi_linear_jax.server")
 
 
-class ApiError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, type_: str, param=None, code=None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
-        self.param, self.code = param, code
-
-    def body(self) -> dict:
-        fields = {"message": self.message, "type": self.type, "param": self.param}
-        return {"error": {**fields, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param)
-
-
 # nginx's "client closed request": logged for a non-streaming client that went away.
 CLIENT_CLOSED = 499
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
 # Bound on a graceful shutdown: running requests get this long, then are cancelled.
 SHUTDOWN_GRACE_S = 5
-
-
-def _param_of(message: str) -> str | None:
-    """The field a SamplingParams / engine ValueError names first ("top_p must be ...")."""
-    word = message.split(" ", 1)[0].rstrip(":")
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
-    if word in fields:
-        return word
-    # The engine's prompt checks ("token id 999 is outside ...", "prompt length ... exceeds").
-    return "prompt" if word in ("token", "prompt") else None
-
-
-# ---- request bodies ----------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share: OpenAI's plus vLLM's extras (top_k, min_p, ...)."""
-
-    # Strict: a string where a number belongs is a 400, not a silent conversion.
-    model_config = ConfigDict(strict=True, extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None
-
-
-class ChatRequest(_SamplingFields):
-    messages: list
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None):
-    """SamplingParams from a request body; raises ApiError(400) naming a bad field."""
-    if body.n != 1:
-        raise bad_request("only n=1 is supported", "n")
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    fields += ("presence_penalty", "frequency_penalty", "seed", "ignore_eos")
-    try:
-        return SamplingParams(
-            **{name: getattr(body, name) for name in fields},
-            max_tokens=max_tokens,
-            stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            logprobs=logprobs,
-        )
-    except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from e
-
-
-# ---- the engine thread -------------------------------------------------------------------------
-
-ACCEPTED = object()  # pushed once the engine queued a request
-
-
-class _Stream:
-    """The asyncio side of one request: the engine thread pushes into it thread-safely."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-class EngineLoop:
-    """The one thread that owns the `LLM`: drains commands, steps, routes outputs."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.snapshot = llm.metrics()  # read by /metrics; replaced (not mutated) by the loop
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._stop = threading.Event()
-        self._resumed = threading.Event()
-        self._resumed.set()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.broken: str | None = None  # set when a step raised out of the engine itself
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop stepping; requests still running end with an error (bounded shutdown)."""
-        self._stop.set()
-        self._resumed.set()
-        self._thread.join(timeout=30)
-        for rid, stream in self._streams.items():
-            stream.push(RuntimeError("server shutting down"))
-            self.llm.abort_request(rid)
-        self._streams.clear()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def pause(self) -> None:
-        """Hold the loop between steps (commands wait in the queue); tests use it to fill the
-        queue or run out a timeout deterministically."""
-        self._resumed.clear()
-
-    def resume(self) -> None:
-        self._resumed.set()
-
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, stream) -> None:
-        self._commands.put(("add", request_id, prompt, params, stream))
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._resumed.wait(timeout=0.1):
-                continue
-            self._drain(block=not self.llm.has_unfinished_requests())
-            if self.llm.has_unfinished_requests():
-                self._step()
-            self.snapshot = self.llm.metrics()
-
-    def _drain(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-            while True:
-                self._apply(command)
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            return
-
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            self._streams.pop(command[1], None)
-            self.llm.abort_request(command[1])
-            return
-        _, rid, prompt, params, stream = command
-        try:
-            self.llm.add_request(prompt, params, rid)
-        except ValueError as e:
-            stream.push(e)
-            return
-        self._streams[rid] = stream
-        stream.push(ACCEPTED)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.llm.step()
-        except Exception as e:  # the engine broke: fail every request rather than hang them
-            log.exception("engine step failed")
-            self.broken = f"{type(e).__name__}: {e}"
-            for rid, stream in self._streams.items():
-                stream.push(RuntimeError(f"engine step failed: {e}"))
-                self.llm.abort_request(rid)
-            self._streams.clear()
-            return
-        self.broken = None
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its client
-            stream.push(out)
-            if out.finished:
-                del self._streams[out.request_id]
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -313,31 +119,11 @@ class _Ticket:
     """One admitted request, as the handler sees it."""
 
     request_id: str
-    stream: _Stream
+    stream: Stream
     arrival: float
     deadline: float
     done: bool = False
     released: bool = False
-
-
-class _TextDelta:
-    """New text of a cumulative output. While running it holds back a trailing U+FFFD (a
-    partial UTF-8 character may still complete) and the last len(stop)-1 characters (they may
-    start a stop string, which the final text excludes)."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.sent = ""
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-
-    def __call__(self, out: RequestOutput) -> str:
-        text = out.text or ""
-        if not out.finished:
-            text = text.rstrip("\ufffd")
-            text = text[: max(len(text) - self.hold, 0)]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
 
 
 class OpenAIServer:
@@ -472,7 +258,7 @@ class OpenAIServer:
     def _chat_prompt(self, messages: list) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer; this model has none", "messages")
-        messages = [_flatten_content(m) for m in messages]
+        messages = [flatten_content(m) for m in messages]
         try:
             validate_messages(messages)
             return self.tokenizer.encode_chat(messages)  # content never yields special ids
@@ -495,7 +281,7 @@ class OpenAIServer:
             self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
         self.metrics.requests.labels("200").inc()
-        return _full_response(self, ticket, final, chat)
+        return full_response(self, ticket, final, chat)
 
     async def _final_or_disconnect(self, outputs, request) -> RequestOutput | None:
         """The final output, or None as soon as the client has gone (polled while waiting:
@@ -526,7 +312,7 @@ class OpenAIServer:
         if self.in_flight >= self.llm.max_num_seqs + self.max_queue:
             raise ApiError(503, "server busy: the request queue is full", "server_busy")
         now = time.perf_counter()
-        ticket = _Ticket(f"cmpl-{uuid.uuid4().hex}", _Stream(), now, now + self.request_timeout)
+        ticket = _Ticket(f"cmpl-{uuid.uuid4().hex}", Stream(), now, now + self.request_timeout)
         self.in_flight += 1
         self.engine.add(ticket.request_id, prompt, params, ticket.stream)
         try:
@@ -536,7 +322,7 @@ class OpenAIServer:
             raise
         if isinstance(first, ValueError):
             self._release(ticket)
-            raise bad_request(str(first), _param_of(str(first)))
+            raise bad_request(str(first), param_of(str(first)))
         return ticket
 
     async def _next(self, ticket: _Ticket):
@@ -588,25 +374,29 @@ class OpenAIServer:
 
     async def _sse(self, outputs, ticket, params, chat: bool, usage: bool):
         """OpenAI stream chunks as server-sent events, ending with `data: [DONE]`."""
-        delta, final, sent_tokens = _TextDelta(params), None, 0
+        delta, final, sent_tokens = TextDelta(params), None, 0
         try:
             if chat:
-                yield _event(_chunk(self, ticket, {"role": "assistant", "content": ""}, None, chat))
+                yield sse_event(
+                    stream_chunk(self, ticket, {"role": "assistant", "content": ""}, None, chat)
+                )
             async for out in outputs:
                 final = out
                 text = delta(out)
                 if text or out.finished:
                     # A chunk held back (a partial UTF-8 character, a possible stop string)
                     # keeps its tokens' logprobs for the chunk that carries their text.
-                    logprobs = _logprobs(self.tokenizer, out, sent_tokens, chat)
+                    logprobs = openai_logprobs(self.tokenizer, out, sent_tokens, chat)
                     sent_tokens = len(out.token_ids)
                     piece = {"content": text} if chat else text
-                    chunk = _chunk(self, ticket, piece, out.finish_reason, chat, logprobs)
-                    yield _event(chunk)
+                    chunk = stream_chunk(self, ticket, piece, out.finish_reason, chat, logprobs)
+                    yield sse_event(chunk)
             if usage:
-                yield _event({**_chunk(self, ticket, None, None, chat), **_usage(final)})
+                yield sse_event(
+                    {**stream_chunk(self, ticket, None, None, chat), **usage_body(final)}
+                )
         except ApiError as e:
-            yield _event(e.body())
+            yield sse_event(e.body())
         finally:
             self._release(ticket)
         yield "data: [DONE]\n\n"
@@ -625,99 +415,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-# ---- response bodies ---------------------------------------------------------------------------
-
-
-def _flatten_content(message):
-    """OpenAI content parts ([{"type": "text", "text": ...}]) joined into one string."""
-    if isinstance(message, dict) and isinstance(message.get("content"), list):
-        parts = message["content"]
-        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
-            return {**message, "content": "".join(texts)}
-        # Anything else stays a list: validate_messages names the field (a 400).
-    return message
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(out: RequestOutput | None) -> dict:
-    prompt = len(out.prompt_token_ids) if out else 0
-    completion = len(out.token_ids) if out else 0
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion}
-    return {"usage": {**usage, "total_tokens": prompt + completion}}
-
-
-def _chunk(server, ticket, piece, finish_reason, chat: bool, logprobs=None) -> dict:
-    head = {"id": ticket.request_id, "created": int(time.time()), "model": server.model_name}
-    if piece is None:  # the usage chunk: no choices
-        return {**head, "object": _object(chat, True), "choices": []}
-    key = "delta" if chat else "text"
-    choice = {"index": 0, key: piece, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**head, "object": _object(chat, True), "choices": [choice]}
-
-
-def _object(chat: bool, stream: bool) -> str:
-    if chat:
-        return "chat.completion.chunk" if stream else "chat.completion"
-    return "text_completion"
-
-
-def _full_response(server, ticket, out: RequestOutput, chat: bool) -> dict:
-    text = out.text or ""
-    piece = {"role": "assistant", "content": text} if chat else text
-    choice = {
-        "index": 0,
-        "message" if chat else "text": piece,
-        "logprobs": _logprobs(server.tokenizer, out, 0, chat),
-        "finish_reason": out.finish_reason,
-    }
-    head = {"id": ticket.request_id, "object": _object(chat, False), "created": int(time.time())}
-    return {**head, "model": server.model_name, "choices": [choice], **_usage(out)}
-
-
-def _token_text(tokenizer, token: int) -> str:
-    """A token's text, distinct per id: a token that is not valid UTF-8 on its own (a byte of
-    a multi-byte character decodes to U+FFFD) is named `token_id:N` (vLLM's form), so the
-    completions API's `top_logprobs`, keyed by text, keeps one entry per token."""
-    text = tokenizer.decode([token]) if tokenizer is not None else None
-    return f"token_id:{token}" if not text or "\ufffd" in text else text
-
-
-def _logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):
-    """OpenAI logprobs of tokens[start:] (None unless the request asked for them)."""
-    if out.logprobs is None:
-        return None
-    if chat:  # chat entries carry their bytes, so keys never collide there
-        piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
-    else:
-        piece = functools.partial(_token_text, tokenizer)
-    rows = []
-    for token, entry in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])
-        rows.append((piece(token), entry[token], [(piece(t), lp) for t, lp in top]))
-    if chat:
-        content = [
-            {
-                "token": tok,
-                "logprob": lp,
-                "bytes": list(tok.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
-                ],
-            }
-            for tok, lp, top in rows
-        ]
-        return {"content": content}
-    return {
-        "tokens": [r[0] for r in rows],
-        "token_logprobs": [r[1] for r in rows],
-        "top_logprobs": [dict(r[2]) for r in rows],
-    }
 
 
 # ---- running it --------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""The OpenAI protocol of the server: request bodies (strict pydantic models), the error body,
+and the response bodies and stream chunks built from `RequestOutput`s. No engine, no app."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+
+from pydantic import BaseModel, ConfigDict
+
+from serving.engine import RequestOutput
+from serving.sampling import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str, param=None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code = param, code
+
+    def body(self) -> dict:
+        fields = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**fields, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def param_of(message: str) -> str | None:
+    """The field a SamplingParams / engine ValueError names first ("top_p must be ...")."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+    if word in fields:
+        return word
+    # The engine's prompt checks ("token id 999 is outside ...", "prompt length ... exceeds").
+    return "prompt" if word in ("token", "prompt") else None
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share: OpenAI's plus vLLM's extras (top_k, min_p, ...)."""
+
+    # Strict: a string where a number belongs is a 400, not a silent conversion.
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None):
+    """SamplingParams from a request body; raises ApiError(400) naming a bad field."""
+    if body.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    fields += ("presence_penalty", "frequency_penalty", "seed", "ignore_eos")
+    try:
+        return SamplingParams(
+            **{name: getattr(body, name) for name in fields},
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            logprobs=logprobs,
+        )
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e)) from e
+
+
+class TextDelta:
+    """New text of a cumulative output. While running it holds back a trailing U+FFFD (a
+    partial UTF-8 character may still complete) and the last len(stop)-1 characters (they may
+    start a stop string, which the final text excludes)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.sent = ""
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def __call__(self, out: RequestOutput) -> str:
+        text = out.text or ""
+        if not out.finished:
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(text) - self.hold, 0)]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+# ---- response bodies ---------------------------------------------------------------------------
+
+
+def flatten_content(message):
+    """OpenAI content parts ([{"type": "text", "text": ...}]) joined into one string."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        parts = message["content"]
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
+            return {**message, "content": "".join(texts)}
+        # Anything else stays a list: validate_messages names the field (a 400).
+    return message
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage_body(out: RequestOutput | None) -> dict:
+    prompt = len(out.prompt_token_ids) if out else 0
+    completion = len(out.token_ids) if out else 0
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+    return {"usage": {**usage, "total_tokens": prompt + completion}}
+
+
+def stream_chunk(server, ticket, piece, finish_reason, chat: bool, logprobs=None) -> dict:
+    head = {"id": ticket.request_id, "created": int(time.time()), "model": server.model_name}
+    if piece is None:  # the usage chunk: no choices
+        return {**head, "object": _object(chat, True), "choices": []}
+    key = "delta" if chat else "text"
+    choice = {"index": 0, key: piece, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {**head, "object": _object(chat, True), "choices": [choice]}
+
+
+def _object(chat: bool, stream: bool) -> str:
+    if chat:
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"
+
+
+def full_response(server, ticket, out: RequestOutput, chat: bool) -> dict:
+    text = out.text or ""
+    piece = {"role": "assistant", "content": text} if chat else text
+    choice = {
+        "index": 0,
+        "message" if chat else "text": piece,
+        "logprobs": openai_logprobs(server.tokenizer, out, 0, chat),
+        "finish_reason": out.finish_reason,
+    }
+    head = {"id": ticket.request_id, "object": _object(chat, False), "created": int(time.time())}
+    return {**head, "model": server.model_name, "choices": [choice], **usage_body(out)}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text, distinct per id: a token that is not valid UTF-8 on its own (a byte of
+    a multi-byte character decodes to U+FFFD) is named `token_id:N` (vLLM's form), so the
+    completions API's `top_logprobs`, keyed by text, keeps one entry per token."""
+    text = tokenizer.decode([token]) if tokenizer is not None else None
+    return f"token_id:{token}" if not text or "\ufffd" in text else text
+
+
+def openai_logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):
+    """OpenAI logprobs of tokens[start:] (None unless the request asked for them)."""
+    if out.logprobs is None:
+        return None
+    if chat:  # chat entries carry their bytes, so keys never collide there
+        piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    else:
+        piece = functools.partial(_token_text, tokenizer)
+    rows = []
+    for token, entry in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])
+        rows.append((piece(token), entry[token], [(piece(t), lp) for t, lp in top]))
+    if chat:
+        content = [
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
+                ],
+            }
+            for tok, lp, top in rows
+        ]
+        return {"content": content}
+    return {
+        "tokens": [r[0] for r in rows],
+        "token_logprobs": [r[1] for r in rows],
+        "top_logprobs": [dict(r[2]) for r in rows],
+    }
