@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
     s.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="parameter count of a preset (abstract, nothing allocated)")
@@ -347,6 +348,7 @@ def cmd_serve(args) -> int:
         model_name=name,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        enable_docs=args.enable_docs,
     )
     return 0
 

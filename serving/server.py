@@ -61,6 +61,42 @@ CLIENT_CLOSED = 499
 DISCONNECT_POLL_S = 0.25
 # Bound on a graceful shutdown: running requests get this long, then are cancelled.
 SHUTDOWN_GRACE_S = 5
+# A request body must arrive within this long (a slowloris client must not hold a connection).
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyTimeout:
+    """ASGI middleware: a request body must arrive within `timeout` seconds, or the client
+    gets a 408 and the connection is closed (a slow client that never finishes its body
+    would otherwise hold a connection forever). The body is read here and replayed."""
+
+    def __init__(self, app, timeout: float) -> None:
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        messages = []
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    messages.append(message)
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        break
+        except TimeoutError:
+            error = ApiError(
+                408, f"request body not received within {self.timeout:g} s", "invalid_request_error"
+            )
+            response = JSONResponse(error.body(), status_code=408, headers={"connection": "close"})
+            return await response(scope, receive, send)
+        pending = iter(messages)
+
+        async def replay():
+            message = next(pending, None)
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay, send)
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -136,8 +172,12 @@ class OpenAIServer:
         model_name: str = DEFAULT_MODEL_NAME,
         max_queue: int = 256,
         request_timeout: float = 600.0,
+        enable_docs: bool = False,
+        body_timeout: float = BODY_TIMEOUT_S,
     ) -> None:
         self.llm = llm
+        self.enable_docs = enable_docs
+        self.body_timeout = body_timeout
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
         self.max_queue = max_queue
@@ -156,7 +196,10 @@ class OpenAIServer:
             yield
             self.engine.stop()
 
-        app = FastAPI(title="kimi-linear-jax", lifespan=lifespan)
+        # /docs, /redoc and /openapi.json describe the whole API: off unless asked for.
+        docs = {} if self.enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="kimi-linear-jax", lifespan=lifespan, **docs)
+        app.add_middleware(BodyTimeout, timeout=self.body_timeout)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(HTTPException, self._http_error)

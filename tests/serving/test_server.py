@@ -357,11 +357,16 @@ def test_completion_top_logprobs_keep_one_entry_per_token(url):
 # ---- faults and shutdown (issue 12, defects 2 and 10) ---------------------------------------
 
 
+def _engine_like(offline):
+    """A new engine of the reference's model and shapes (the compiled steps are shared): a
+    server's engine thread must own its `LLM` alone."""
+    return LLM(offline.model, tokenizer=offline.tokenizer, **SHAPES)
+
+
 @pytest.fixture
 def fresh(setup):
-    """A second server over a new engine of the same shapes (the compiled steps are shared)."""
-    offline = setup[2]
-    llm = LLM(offline.model, tokenizer=offline.tokenizer, **SHAPES)
+    """A second server over a new engine of the same shapes."""
+    llm = _engine_like(setup[2])
     app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=120)
     with BackgroundServer(app) as server:
         yield server.url, app.state.server, llm
@@ -421,8 +426,7 @@ def test_an_engine_that_cannot_step_is_unhealthy(fresh):
 
 def test_shutdown_is_bounded_with_a_request_in_flight(setup):
     """Issue 12, defect 10: stopping the server does not wait for a request that cannot end."""
-    offline = setup[2]
-    llm = LLM(offline.model, tokenizer=offline.tokenizer, **SHAPES)
+    llm = _engine_like(setup[2])
     app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=600)
     body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -448,5 +452,30 @@ def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
 
     seen = {}
     monkeypatch.setattr(server_module.uvicorn, "run", lambda app, **kw: seen.update(kw))
-    server_module.serve(setup[2], port=0)
+    server_module.serve(_engine_like(setup[2]), port=0)
     assert 0 < seen["timeout_graceful_shutdown"] <= 10
+
+
+def test_docs_are_off_unless_enabled(url, setup):
+    assert httpx.get(f"{url}/docs", timeout=TIMEOUT).status_code == 404
+    assert httpx.get(f"{url}/openapi.json", timeout=TIMEOUT).status_code == 404
+    app = build_app(_engine_like(setup[2]), model_name=NAME, enable_docs=True)
+    with BackgroundServer(app) as server:
+        assert httpx.get(f"{server.url}/openapi.json", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_body_that_never_arrives_times_out(setup):
+    """Issue 12: a client that sends part of its body and stalls gets a 408, and the server
+    closes the connection instead of holding it forever."""
+    import socket
+
+    app = build_app(_engine_like(setup[2]), model_name=NAME, body_timeout=0.5)
+    with BackgroundServer(app) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall((head + "Content-Length: 100\r\n\r\n" + '{"prompt": "hi"').encode())
+            t0 = time.monotonic()
+            reply = sock.recv(4096).decode()
+            assert reply.startswith("HTTP/1.1 408") and time.monotonic() - t0 < 5
+            assert "request body not received within 0.5 s" in reply
