@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test bench lint install install-test
+.PHONY: run test test-py312 bench lint install install-test
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,19 @@ test: lint
 
 bench: install-test
 	$(PY) benchmarks/run_all.py
+
+# The newest jax that pip picks on Python 3.12 (0.12.x today): the kernel and parallel tests,
+# so that a jax release cannot break them silently. Without a Python 3.12 it says so and passes.
+VENV312 := .venv312
+FIND_PY312 := for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	if "$$p" -c "" 2>/dev/null; then echo "$$p"; break; fi; done
+
+test-py312:
+	@PY312=$$($(FIND_PY312)); \
+	if [ -z "$$PY312" ]; then echo "test-py312 SKIPPED: no Python 3.12 found"; exit 0; fi; \
+	set -e; \
+	[ -x $(VENV312)/bin/python ] || "$$PY312" -m venv $(VENV312); \
+	$(VENV312)/bin/python -m pip install -q --upgrade pip; \
+	$(VENV312)/bin/python -m pip install -q -e . pytest hypothesis; \
+	$(VENV312)/bin/python -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"; \
+	$(VENV312)/bin/python -m pytest -q tests/kernels tests/parallel
