@@ -479,3 +479,61 @@ def test_a_body_that_never_arrives_times_out(setup):
             reply = sock.recv(4096).decode()
             assert reply.startswith("HTTP/1.1 408") and time.monotonic() - t0 < 5
             assert "request body not received within 0.5 s" in reply
+
+
+# ---- what a mutation audit found untested (issue 12) -----------------------------------------
+
+
+def test_timeout_inside_a_started_stream_is_an_error_event(setup):
+    llm = _engine_like(setup[2])
+    real_step = llm.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return real_step()
+
+    llm.step = slow_step
+    app = build_app(llm, model_name=NAME, request_timeout=1)
+    with BackgroundServer(app) as server:
+        body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    # The 200 and its headers went out before the deadline: the 504 must come as an event.
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["type"] == "timeout_error" and "timed out after 1 s" in error["message"]
+
+
+def test_metrics_export_engine_values_and_latency_histograms(url, client):
+    client.completions.create(model=NAME, prompt="Hello", max_tokens=MAX_TOKENS, temperature=0)
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    assert metric(url, "kimi_linear_time_to_first_token_seconds_count") >= 1
+    assert metric(url, "kimi_linear_inter_token_latency_seconds_count") >= 1
+    assert 'kimi_linear_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+    for key in ("prefix_cache_hit_tokens", "prefix_cache_hit_rate", "pages_used", "slots_used"):
+        assert re.search(rf"^kimi_linear_engine_{key}(_total)? \S+$", text, re.M), key
+
+
+def test_speculation_metrics_are_exported(setup):
+    offline = setup[2]
+    spec = {"method": "ngram", "num_draft_tokens": 2}
+    llm = LLM(offline.model, tokenizer=offline.tokenizer, speculative=spec, **SHAPES)
+    with BackgroundServer(build_app(llm, model_name=NAME)) as server:
+        body = {"prompt": "ab ab ab ab", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT).is_success
+        text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_mean_accepted_length"):
+        assert re.search(rf"^kimi_linear_engine_{key}(_total)? \S+$", text, re.M), key
+
+
+def test_logprobs_through_the_server_equal_the_offline_api(url, setup):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    (want,) = _engine_like(setup[2]).generate(["Hello"], params, use_tqdm=False)
+    body = {"prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    logprobs = got["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == [e[t] for e, t in zip(want.logprobs, want.token_ids)]
+    for top, entry in zip(logprobs["top_logprobs"], want.logprobs, strict=True):
+        assert sorted(top.values()) == sorted(entry.values())
