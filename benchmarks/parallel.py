@@ -28,13 +28,14 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import print_table, timeit_interleaved, write_json  # noqa: E402
+from common import RESULTS_DIR, print_table, timeit_interleaved, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -275,6 +276,14 @@ def step_rows(B: int, repeats: int) -> list[dict]:
     ]
 
 
+def _kept_rows(rerun: set[str]) -> list[dict]:
+    path = os.path.join(RESULTS_DIR, "parallel.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in json.load(f)["rows"] if r.get("section") not in rerun]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=["memory", "collectives", "step"])
@@ -308,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["step"] = step_rows(a.batch, a.repeats)
         print_table(out["step"], list(out["step"][0]))
     rows = [dict(section=k, **r) for k, v in out.items() for r in v]
+    rows += _kept_rows(set(sections))  # --only keeps the other sections' last results
     path = write_json("parallel", rows, {"batch": a.batch, "repeats": a.repeats})
     print(f"\nwrote {path}")
     return out

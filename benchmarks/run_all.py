@@ -30,12 +30,19 @@ def dcp_combine(argv: list[str]) -> None:
     subprocess.run([sys.executable, script, "--quick", *argv], check=True)
 
 
+def parallel(argv: list[str]) -> None:
+    """TP x DCP memory, collective bytes and step time: its own process (8 emulated devices)."""
+    subprocess.run([sys.executable, os.path.join(HERE, "parallel.py"), *argv], check=True)
+
+
 BENCHMARKS = {
     "kda": bench_kda.main,
     "forward": bench_forward.main,
     # On a CPU: the XLA reference over its reduced default grid (B 1 16, ctx 4096, T 1 4).
     "mla_decode": mla_decode.main,
     "dcp_combine": dcp_combine,
+    # The release's memory per device, collective bytes per layer, step time at tp 1 / 4 / 8.
+    "parallel": parallel,
     # Offline generation vs transformers' generate at B 1 8 32 (about 10 min on 2 cores).
     "throughput": throughput.main,
     # Oracle / n-gram / draft-model speculation vs plain decode, small preset, B 1 8.
