@@ -182,19 +182,24 @@ class KimiLinearForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, ModelCache]:
         """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]."""
         logits, cache, per_step = self.verify(input_ids, cache, batch)
-        return logits, commit_kda(cache, per_step, batch.slots, batch.lengths)
+        return logits, commit_kda(cache, per_step, batch.slots, batch.lengths, after=logits)
 
 
 def commit_kda(
-    cache: ModelCache, per_step: tuple[KDAState, ...], slots: jax.Array, n: jax.Array
+    cache: ModelCache,
+    per_step: tuple[KDAState, ...],
+    slots: jax.Array,
+    n: jax.Array,
+    after: jax.Array | None = None,
 ) -> ModelCache:
     """Store in each row's slot the KDA state and conv windows after step n[b] - 1 of the
     window, for every KDA layer (n = 0 leaves the slot unchanged). Works on sharded states
-    as they are: it indexes the slot axis only."""
+    as they are: it indexes the slot axis only. `after`: what the writes must follow (the
+    logits; see `scatter_rows`)."""
     kda = []
     for state, steps in zip(cache.kda, per_step):
         rows = state_rows(state, slots)
-        kda.append(scatter_rows(state, slots, commit(rows, steps, n)))
+        kda.append(scatter_rows(state, slots, commit(rows, steps, n), after))
     return ModelCache(tuple(kda), cache.mla)
 
 

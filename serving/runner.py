@@ -130,6 +130,10 @@ def _decode_steps(
         counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
         return (picked[0], cache, counts), picked
 
+    if num_steps == 1:
+        # One step without the loop: a scan's carry makes XLA copy every KDA slot pool.
+        (_, cache, _), picked = step((ids, cache, counts), jnp.int32(0))
+        return tuple(x[:, None] for x in picked), cache
     (_, cache, _), picked = jax.lax.scan(step, (ids, cache, counts), jnp.arange(num_steps))
     # [S, B, ...] -> [B, S, ...]
     return tuple(jnp.swapaxes(x, 0, 1) for x in picked), cache

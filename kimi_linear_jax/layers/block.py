@@ -9,6 +9,7 @@ the model's layer loop exists once. Under TP the mixer and the FFN each return a
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, KDAState, MLACache
@@ -25,8 +26,36 @@ def state_rows(state: KDAState, slots: jax.Array) -> KDAState:
     return KDAState(*(a[slots] for a in state))
 
 
-def scatter_rows(state: KDAState, slots: jax.Array, rows: KDAState) -> KDAState:
-    return KDAState(*(a.at[slots].set(r.astype(a.dtype)) for a, r in zip(state, rows)))
+def scatter_rows(
+    state: KDAState,
+    slots: jax.Array,
+    rows: KDAState,
+    after: jax.Array | None = None,
+    mode: str | None = None,
+) -> KDAState:
+    """Write `rows` into `slots` of every pool array, in place.
+
+    XLA fuses the pools' row gathers into every consumer, including the fusion that writes
+    S (the new S is recomputed there from the conv rows). A pool written while such a fusion
+    may still read it is protected by a copy of the whole pool, on every step: with 97 slots
+    the `small` model's decode went from 9 ms to 77 ms. Ordering the writes removes the
+    copies: S after `after` (pass what depends on every read of the pools, e.g. the logits),
+    then the conv windows after S. `mode="drop"` skips rows whose slot is out of range."""
+    S = state.S.at[slots].set(_after(rows.S, after).astype(state.S.dtype), mode=mode)
+    windows = (
+        a.at[slots].set(_after(r, S).astype(a.dtype), mode=mode) for a, r in zip(state[:3], rows)
+    )
+    return KDAState(*windows, S)
+
+
+def _after(x: jax.Array, first: jax.Array | None) -> jax.Array:
+    """`x`, with a data dependence on `first` (so XLA computes it after `first`): plus zero
+    times a finite element of `first` (NaN / inf are replaced first, so `x` is unchanged)."""
+    if first is None:
+        return x
+    e = first.reshape(-1)[0]
+    zero = jnp.where(jnp.isfinite(e), e, 0).astype(x.dtype) * 0
+    return x + zero
 
 
 class DecoderBlock(nnx.Module):

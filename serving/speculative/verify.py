@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_linear_jax.cache import KDAState, ModelCache
+from kimi_linear_jax.layers.block import scatter_rows
 from kimi_linear_jax.layers.kda import commit
 from kimi_linear_jax.model import commit_kda, merge
 from serving.sampling import SamplingBatch, apply_penalties, row_keys, truncation_mask
@@ -89,14 +90,14 @@ def _track(cache: ModelCache, per_step, slots, track_slots, track_steps, commit_
     kda = []
     for state, steps in zip(cache.kda, per_step, strict=True):
         n = state.S.shape[0]
-        rows = KDAState(*(a[slots] for a in state))
-        picked = commit(rows, steps, jnp.where(valid, track_steps + 1, 0))
+        # Only accepted track steps are written (others go out of range and are dropped), so
+        # the pool itself is never read here: reading it would cost a copy of the whole pool.
+        unused = KDAState(*(s[:, 0] for s in steps))
+        picked = commit(unused, steps, jnp.where(valid, track_steps + 1, 0))
         dst = jnp.where(valid, track_slots, n)  # out of range: dropped
-        kda.append(
-            KDAState(
-                *(a.at[dst].set(p.astype(a.dtype), mode="drop") for a, p in zip(state, picked))
-            )
-        )
+        # After the commit's last write (its conv writes read the committed S: see
+        # `scatter_rows`), so that writing the track slots here needs no copy either.
+        kda.append(scatter_rows(state, dst, picked, after=state.conv_v, mode="drop"))
     return ModelCache(tuple(kda), cache.mla)
 
 
@@ -141,7 +142,7 @@ def verify_step(
     tokens, accepted = accept(logits, drafts, num_drafts, sampling, sample=mode != "greedy")
     commit_lens = jnp.where(live, accepted + 1, 0)
     if commit_recurrent:
-        cache = commit_kda(cache, per_step, batch.slots, commit_lens)
+        cache = commit_kda(cache, per_step, batch.slots, commit_lens, after=logits)
         if track:
             cache = _track(cache, per_step, batch.slots, track_slots, track_steps, commit_lens)
     if mode == "greedy":
