@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import mla_decode  # noqa: E402
+import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
 import speculative  # noqa: E402
 import throughput  # noqa: E402
@@ -47,6 +48,8 @@ BENCHMARKS = {
     "throughput": throughput.main,
     # Oracle / n-gram / draft-model speculation vs plain decode, small preset, B 1 8.
     "speculative": speculative.main,
+    # ms per token with 3 vs 97 state slots (the pool must not cost per step).
+    "pool_size": pool_size.main,
     # TTFT and prefill tokens saved, 2k-token shared prefix, cache on vs off.
     "prefix_cache": prefix_cache.main,
 }
