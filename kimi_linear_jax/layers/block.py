@@ -48,14 +48,15 @@ def scatter_rows(
     return KDAState(*windows, S)
 
 
-def _after(x: jax.Array, first: jax.Array | None) -> jax.Array:
-    """`x`, with a data dependence on `first` (so XLA computes it after `first`): plus zero
-    times a finite element of `first` (NaN / inf are replaced first, so `x` is unchanged)."""
-    if first is None:
+def _after(x: jax.Array, first) -> jax.Array:
+    """`x`, with a data dependence on `first` (an array or a pytree of them, so XLA computes
+    `x` after all of them): plus zero times a finite element of each (NaN / inf are replaced
+    first, so `x` is unchanged)."""
+    leaves = jax.tree.leaves(first)
+    if not leaves:
         return x
-    e = first.reshape(-1)[0]
-    zero = jnp.where(jnp.isfinite(e), e, 0).astype(x.dtype) * 0
-    return x + zero
+    zero = sum(jnp.where(jnp.isfinite(e), e, 0) for e in (a.reshape(-1)[0] for a in leaves))
+    return x + zero.astype(x.dtype) * 0
 
 
 class DecoderBlock(nnx.Module):

@@ -83,20 +83,26 @@ def accept(
     return jnp.where(greedy, target, sampled), jnp.where(greedy[:, 0], greedy_accepted, accepted)
 
 
-def _track(cache: ModelCache, per_step, slots, track_slots, track_steps, commit_lens):
-    """Write the state after step track_steps[b] to slot track_slots[b] when that step was
-    accepted (0 <= ith < commit_lens); other rows write nothing."""
+def _track_rows(per_step, track_steps, commit_lens) -> tuple[KDAState, ...]:
+    """Per KDA layer, the state after step track_steps[b] (what a track point snapshots).
+    Rows whose step was not accepted get a placeholder that `_write_track` drops."""
+    valid = (track_steps >= 0) & (track_steps < commit_lens)
+    # Only accepted track steps are written, so the pool itself is never read here: reading
+    # it would cost a copy of the whole pool.
+    return tuple(
+        commit(KDAState(*(s[:, 0] for s in steps)), steps, jnp.where(valid, track_steps + 1, 0))
+        for steps in per_step
+    )
+
+
+def _write_track(cache: ModelCache, rows, track_slots, track_steps, commit_lens) -> ModelCache:
+    """Write the track rows to slot track_slots[b] when that step was accepted
+    (0 <= ith < commit_lens); other rows write nothing. After the commit's last write (see
+    `scatter_rows`), so that these writes need no copy of a pool either."""
     valid = (track_steps >= 0) & (track_steps < commit_lens)
     kda = []
-    for state, steps in zip(cache.kda, per_step, strict=True):
-        n = state.S.shape[0]
-        # Only accepted track steps are written (others go out of range and are dropped), so
-        # the pool itself is never read here: reading it would cost a copy of the whole pool.
-        unused = KDAState(*(s[:, 0] for s in steps))
-        picked = commit(unused, steps, jnp.where(valid, track_steps + 1, 0))
-        dst = jnp.where(valid, track_slots, n)  # out of range: dropped
-        # After the commit's last write (its conv writes read the committed S: see
-        # `scatter_rows`), so that writing the track slots here needs no copy either.
+    for state, picked in zip(cache.kda, rows, strict=True):
+        dst = jnp.where(valid, track_slots, state.S.shape[0])  # out of range: dropped
         kda.append(scatter_rows(state, dst, picked, after=state.conv_v, mode="drop"))
     return ModelCache(tuple(kda), cache.mla)
 
@@ -142,9 +148,12 @@ def verify_step(
     tokens, accepted = accept(logits, drafts, num_drafts, sampling, sample=mode != "greedy")
     commit_lens = jnp.where(live, accepted + 1, 0)
     if commit_recurrent:
-        cache = commit_kda(cache, per_step, batch.slots, commit_lens, after=logits)
+        # The track rows are computed before the commit overwrites the pools they come from
+        # (XLA may recompute them from the pools' rows), and the commit waits for them.
+        rows = _track_rows(per_step, track_steps, commit_lens) if track else ()
+        cache = commit_kda(cache, per_step, batch.slots, commit_lens, after=(logits, rows))
         if track:
-            cache = _track(cache, per_step, batch.slots, track_slots, track_steps, commit_lens)
+            cache = _write_track(cache, rows, track_slots, track_steps, commit_lens)
     if mode == "greedy":
         zero = jnp.zeros(tokens.shape, jnp.float32)
         return (tokens, commit_lens, zero, tokens[..., None], zero[..., None]), cache

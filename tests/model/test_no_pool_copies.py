@@ -75,8 +75,8 @@ def test_fused_decode_copies_no_pool(parts, num_steps):
 
 
 # track=True (a verify that also snapshots a track point into a checkpoint slot) still copies
-# the S pools: not fixed yet (issue 13's closing note); only steps that cross a track point
-# pay it.
+# each S pool twice: not fixed yet (issue 13's closing note); only steps that cross a track
+# point pay it.
 @pytest.mark.parametrize("track", [False])
 def test_verify_step_copies_no_pool(parts, track):
     graphdef, params, cache, batch, sampling = parts
