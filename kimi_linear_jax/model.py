@@ -221,7 +221,7 @@ def init_model(
 ):
     """A randomly initialised model (seeded, reproducible), placed on `par`'s mesh."""
     model = KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
-    return sharding_rules.shard_model(model, par) if par.sharded else model
+    return model if par == model.par else sharding_rules.shard_model(model, par)
 
 
 # ---- jitted steps over nnx.split(model) ------------------------------------------------------

@@ -182,7 +182,8 @@ def combine_lse_psum(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array
     return jax.lax.psum(o_scaled, DCP_AXIS), lse_out
 
 
-COMBINES = {"lse_psum": combine_lse_psum, "all_gather": combine_all_gather}
+# Combines to a replicated output (every head on every rank), for `dcp_attention`.
+REPLICATED_COMBINES = {"lse_psum": combine_lse_psum, "all_gather": combine_all_gather}
 
 
 # --------------------------------------------------------------------------- shard_map entry points
@@ -308,10 +309,11 @@ def dcp_attention(
     Rank r attends with ``local_len(kv_lens, r)`` keys, unless ``local_kv_lens`` [c, B, T]
     (host metadata, e.g. :func:`dcp_metadata`) is given: then rank r uses row r of it as is.
     ``backend`` has the signature of ``mla_paged_attention_reference``; ``combine`` names the
-    collective merge of the partials (a key of ``COMBINES``; see :func:`combine_lse_psum`).
+    collective merge of the partials (a key of ``REPLICATED_COMBINES``; see
+    :func:`combine_lse_psum`).
     """
     c = dcp_size(mesh)
-    combine_fn = COMBINES[combine]
+    combine_fn = REPLICATED_COMBINES[combine]
 
     def attend(q_lat, q_pe, cache_l, block_table, lens):
         o, lse = backend(q_lat, q_pe, cache_l, block_table, lens, sm_scale=sm_scale)

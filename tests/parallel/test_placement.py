@@ -113,8 +113,7 @@ def test_load_pretrained_puts_each_tensor_on_its_shards(tmp_path, monkeypatch):
         assert value.sharding == want[name].sharding, name
         np.testing.assert_array_equal(np.asarray(value), np.asarray(want[name]), err_msg=name)
         sizes[name] = value.size
-    # Every read of a sharded tensor is one device's block (1/4 or, for the replicated-over-
-    # DCP query heads, 1/2 of it), never the whole tensor.
+    # Every read of a sharded tensor is one device's block (1/4 at tp 4), never the whole.
     for name, size in reads:
         key = name.removesuffix(".weight")
         key = re.sub(r"experts\.\d+\.(w[123])", r"experts.\1", key)
