@@ -28,6 +28,20 @@ class KDAState(NamedTuple):
     S: jax.Array  # [slots, H, K, V] float32
 
 
+class KDAInputs(NamedTuple):
+    """What a verify window keeps per KDA layer for a replay commit: the recurrence's per-step
+    inputs, O(T*H*K) per row, instead of the state after every step, O(T*H*K*V) (at the
+    release's shapes, k = 4, about 40x less). Step axis 1, as the per-step states."""
+
+    pre_q: jax.Array  # [B, T, P] pre-conv projections: the conv windows continue from them
+    pre_k: jax.Array  # [B, T, P]
+    pre_v: jax.Array  # [B, T, P]
+    k: jax.Array  # [B, T, H, K] conv'd, normalised, fp32
+    v: jax.Array  # [B, T, H, V]
+    g: jax.Array  # [B, T, H, K] log-decay
+    beta: jax.Array  # [B, T, H]
+
+
 class MLACache(NamedTuple):
     latent: jax.Array  # [num_pages, page_size, L + R]
 

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kimi_linear_jax.cache import Batch, KDAState, ModelCache
+from kimi_linear_jax.cache import Batch, KDAInputs, KDAState, ModelCache
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.layers.block import DecoderBlock, scatter_rows, state_rows
-from kimi_linear_jax.layers.kda import commit
+from kimi_linear_jax.layers.kda import advance
 from kimi_linear_jax.layers.linear import Embed, Linear
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.parallel import rules as sharding_rules
@@ -111,9 +111,9 @@ class KimiLinearForCausalLM(nnx.Module):
             x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
         return self._logits(x), cache
 
-    def _verify(self, input_ids, cache, batch):
+    def _verify(self, input_ids, cache, batch, keep):
         def run(block, x, c):
-            return block.verify(x, c, batch)
+            return block.verify(x, c, batch, keep)
 
         x, cache, per_step = self._layers(self.model.embed_tokens(input_ids), cache, run)
         return self._logits(x), cache, per_step
@@ -165,41 +165,44 @@ class KimiLinearForCausalLM(nnx.Module):
         return self._sharded(fn, (input_ids, cache, batch), (P(), cs, P()), (logits, cs))
 
     def verify(
-        self, input_ids: jax.Array, cache: ModelCache, batch: Batch
-    ) -> tuple[jax.Array, ModelCache, tuple[KDAState, ...]]:
+        self, input_ids: jax.Array, cache: ModelCache, batch: Batch, *, keep: str = "states"
+    ) -> tuple[jax.Array, ModelCache, tuple[KDAState | KDAInputs, ...]]:
         """Window pass over [B, T] new tokens. MLA rows are written; KDA states are NOT
-        committed: returns the per-step states of every KDA layer (`KDAState` arrays with a
-        step axis) for `commit_kda` to pick from once the accepted length is known."""
+        committed: returns, per KDA layer, what `commit_kda` needs once the accepted length is
+        known: the per-step states (keep="states", `KDAState` arrays with a step axis; the
+        gather commit) or the per-step inputs (keep="inputs", `KDAInputs`; the replay
+        commit, T times less memory)."""
+        fn = functools.partial(KimiLinearForCausalLM._verify, keep=keep)
         cs = sharding_rules.cache_specs(cache, self._rules)
-        steps = sharding_rules.per_step_specs(len(cache.kda), self._rules)
+        steps = sharding_rules.per_step_specs(len(cache.kda), self._rules, keep)
         out = (self._logits_spec(3), cs, steps)
-        return self._sharded(
-            KimiLinearForCausalLM._verify, (input_ids, cache, batch), (P(), cs, P()), out
-        )
+        return self._sharded(fn, (input_ids, cache, batch), (P(), cs, P()), out)
 
     def decode(
         self, input_ids: jax.Array, cache: ModelCache, batch: Batch
     ) -> tuple[jax.Array, ModelCache]:
-        """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]."""
+        """verify + commit of every row's `batch.lengths` tokens. logits [B, T, vocab]. (The
+        gather commit: a decode step keeps only T = 1 state, so a replay would save nothing.)"""
         logits, cache, per_step = self.verify(input_ids, cache, batch)
         return logits, commit_kda(cache, per_step, batch.slots, batch.lengths, after=logits)
 
 
 def commit_kda(
     cache: ModelCache,
-    per_step: tuple[KDAState, ...],
+    per_step: tuple[KDAState | KDAInputs, ...],
     slots: jax.Array,
     n: jax.Array,
     after: jax.Array | None = None,
 ) -> ModelCache:
     """Store in each row's slot the KDA state and conv windows after step n[b] - 1 of the
-    window, for every KDA layer (n = 0 leaves the slot unchanged). Works on sharded states
-    as they are: it indexes the slot axis only. `after`: what the writes must follow (the
-    logits; see `scatter_rows`)."""
+    window, for every KDA layer (n = 0 leaves the slot unchanged), by a gather from the
+    per-step states or a replay of the per-step inputs (`layers.kda.advance`). Works on
+    sharded states as they are: it indexes the slot axis only. `after`: what the writes must
+    follow (the logits; see `scatter_rows`)."""
     kda = []
     for state, steps in zip(cache.kda, per_step):
         rows = state_rows(state, slots)
-        kda.append(scatter_rows(state, slots, commit(rows, steps, n), after))
+        kda.append(scatter_rows(state, slots, advance(rows, steps, n), after))
     return ModelCache(tuple(kda), cache.mla)
 
 

@@ -96,13 +96,15 @@ class DecoderBlock(nnx.Module):
             y, cache = self.self_attn.prefill(h, cache, batch, has_prefix=has_prefix)
         return self.ffn(x + self.par.psum(y)), cache
 
-    def verify(self, x, cache: KDAState | MLACache, batch: Batch):
-        """A window of T new tokens per row: (x, cache, per-step KDA states or None). MLA rows
-        are written; a KDA layer's cache comes back unchanged, its states after each step of
-        the window are returned for the caller to commit."""
+    def verify(self, x, cache: KDAState | MLACache, batch: Batch, keep: str = "states"):
+        """A window of T new tokens per row: (x, cache, what the KDA commit needs, or None).
+        MLA rows are written; a KDA layer's cache comes back unchanged, and its per-step
+        states (keep="states") or per-step inputs (keep="inputs") are returned for the caller
+        to commit (`layers.kda.advance`)."""
         h = self.input_layernorm(x)
         if self.kind == "kda":
-            y, steps = self.self_attn.decode(h, state_rows(cache, batch.slots), batch.lengths)
+            rows = state_rows(cache, batch.slots)
+            y, steps = self.self_attn.decode(h, rows, batch.lengths, keep)
         else:
             (y, cache), steps = self.self_attn.decode(h, cache, batch), None
         return self.ffn(x + self.par.psum(y)), cache, steps

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kimi_linear_jax.cache import KDAState
+from kimi_linear_jax.cache import KDAInputs, KDAState
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.layers.linear import Linear, acc_dtype, init_uniform, param
 from kimi_linear_jax.layers.norm import GatedRMSNorm
@@ -120,21 +120,49 @@ class KDA(nnx.Module):
         new = KDAState(*(next_window(w, p, lengths) for w, p in zip(windows, pre)), S)
         return self._out(x, o), new
 
-    def decode(self, x: jax.Array, state: KDAState, lengths: jax.Array):
+    def decode(self, x: jax.Array, state: KDAState, lengths: jax.Array, keep: str = "states"):
         """Window pass (T small: decode or verify).
 
-        Returns (y, per_step) where per_step is a KDAState whose arrays carry a step axis:
-        conv windows [B, T, W-1, P] and S [B, T, H, K, V], the state after each step t.
-        `commit(state, per_step, n)` picks the state after step n - 1.
+        Returns (y, per_step). With keep="states", per_step is a KDAState whose arrays carry a
+        step axis: conv windows [B, T, W-1, P] and S [B, T, H, K, V], the state after each step
+        t, for `commit` to pick from. With keep="inputs", it is the window's `KDAInputs`, for
+        `replay` to re-run the accepted steps from (T times less memory than the states).
         """
+        if keep not in KEEPS:
+            raise ValueError(f"keep must be one of {KEEPS}, got {keep!r}")
         windows, pre = self._windows(x, state), self._pre(x)
         q, k, v, g, beta = self._qkvgb(x, pre, windows)
-        o, states = kda_ops.kda_window(q, k, v, g, beta, state.S)
+        o, states = kda_ops.kda_window(q, k, v, g, beta, state.S, keep_states=keep == "states")
+        if keep == "inputs":
+            return self._out(x, o), KDAInputs(*pre, k, v, g, beta)
         steps = tuple(window_after_each_step(w, p) for w, p in zip(windows, pre))
         return self._out(x, o), KDAState(*steps, states)
 
 
+# What a window pass keeps for its commit: every step's state (gather) or the inputs (replay).
+KEEPS = ("states", "inputs")
+
+
 def commit(state: KDAState, per_step: KDAState, n: jax.Array) -> KDAState:
     """The state and conv windows after step n[b] - 1 of a window (n = 0 keeps `state`): a
-    functional gather on device, no host round trip."""
+    functional gather on device, no host round trip. The reference for `replay`."""
     return KDAState(*(kda_ops.kda_commit(s, p, n) for s, p in zip(state, per_step)))
+
+
+def replay(state: KDAState, inputs: KDAInputs, n: jax.Array, snapshot_n: jax.Array | None = None):
+    """The state and conv windows after the first n[b] steps of a window, re-run from `state`
+    (the row's state before the window) with the window's inputs. With `snapshot_n`, also the
+    state after snapshot_n[b] steps (a track point; valid where snapshot_n <= n), same pass."""
+    windows = [next_window(w, p, n) for w, p in zip(state[:3], inputs[:3])]
+    S = kda_ops.kda_replay(state.S, inputs.k, inputs.v, inputs.g, inputs.beta, n, snapshot_n)
+    if snapshot_n is None:
+        return KDAState(*windows, S)
+    snap_windows = [next_window(w, p, snapshot_n) for w, p in zip(state[:3], inputs[:3])]
+    return KDAState(*windows, S[0]), KDAState(*snap_windows, S[1])
+
+
+def advance(state: KDAState, per_step: KDAState | KDAInputs, n: jax.Array) -> KDAState:
+    """`commit` or `replay`, whichever the window pass kept."""
+    if isinstance(per_step, KDAInputs):
+        return replay(state, per_step, n)
+    return commit(state, per_step, n)

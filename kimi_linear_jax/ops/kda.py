@@ -285,19 +285,22 @@ def kda_window(
     initial_state: Array | None,
     *,
     scale: float | None = None,
-) -> tuple[Array, Array]:
+    keep_states: bool = True,
+) -> tuple[Array, Array | None]:
     """Small-T KDA (decode T=1, speculative verify T=k+1) keeping every intermediate state.
 
     Args:
       q, k: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K]; beta: [B,T,H].
       initial_state: [B,H,K,V] (None means zeros).
       scale: query scale, default K**-0.5.
+      keep_states: False returns None for the states (a replay commit re-derives the one it
+        needs from the inputs instead of holding T of them).
 
     Returns:
       o [B,T,H,V] and states [B,T,H,K,V], where states[:, t] is the state after token t.
     """
     q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
-    o, _, states = _run_steps(q, k, v, g, beta, state, scale, keep_states=True)
+    o, _, states = _run_steps(q, k, v, g, beta, state, scale, keep_states=keep_states)
     return o, states
 
 
@@ -332,7 +335,8 @@ def kda_replay(
     g: Array,
     beta: Array,
     commit_lens: Array,
-) -> Array:
+    snapshot_lens: Array | None = None,
+) -> Array | tuple[Array, Array]:
     """Re-run the first ``commit_lens[b]`` tokens of a window from ``initial_state``.
 
     Needs only one state per sequence instead of T, at the cost of a second pass; the result
@@ -342,20 +346,29 @@ def kda_replay(
       initial_state: [B,H,K,V].
       k: [B,T,H,K]; v: [B,T,H,V]; g: [B,T,H,K]; beta: [B,T,H].
       commit_lens: int [B] in [0, T].
+      snapshot_lens: optional int [B] in [0, T]: also return the state after the first
+        ``snapshot_lens[b]`` tokens (a track point inside the window), from the same pass.
 
     Returns:
-      [B,H,K,V] in the compute dtype.
+      [B,H,K,V] in the compute dtype, or (that, the snapshot) when ``snapshot_lens`` is given.
     """
     # q only feeds outputs, which replay does not produce.
     _, k, v, g, beta, state, _ = _prepare(k, k, v, g, beta, initial_state, 1.0)
     commit_lens = jnp.asarray(commit_lens, jnp.int32)
+    snap_lens = commit_lens if snapshot_lens is None else jnp.asarray(snapshot_lens, jnp.int32)
 
-    def step(s, xs):
+    def rows(mask):
+        return mask[:, None, None, None]
+
+    def step(carry, xs):
+        s, snap = carry
         t, k_t, v_t, g_t, b_t = xs
-        active = (t < commit_lens)[:, None, None, None]
-        return jnp.where(active, _delta_step(s, k_t, v_t, g_t, b_t), s), None
+        s = jnp.where(rows(t < commit_lens), _delta_step(s, k_t, v_t, g_t, b_t), s)
+        # The snapshot takes the state once the pass has run its tokens; a snapshot beyond
+        # commit_lens is never asked for (the caller drops it), so it may stop early.
+        return (s, jnp.where(rows(t + 1 == snap_lens), s, snap)), None
 
     steps = jnp.arange(k.shape[1], dtype=jnp.int32)
     xs = (steps, *(jnp.moveaxis(x, 1, 0) for x in (k, v, g, beta)))
-    final, _ = lax.scan(step, state, xs)
-    return final
+    (final, snap), _ = lax.scan(step, (state, state), xs)
+    return final if snapshot_lens is None else (final, snap)

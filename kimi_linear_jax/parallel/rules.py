@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kimi_linear_jax.cache import KDAState, MLACache, ModelCache
+from kimi_linear_jax.cache import KDAInputs, KDAState, MLACache, ModelCache
 from kimi_linear_jax.parallel.mesh import DCP_AXIS, MODEL_AXIS, TP_AXES, Parallel
 
 Axes = tuple[str, ...] | None
@@ -85,15 +85,16 @@ def cache_specs(cache: ModelCache, rules: ShardingRules) -> ModelCache:
     return ModelCache(kda, mla)
 
 
-def per_step_specs(n_kda: int, rules: ShardingRules) -> tuple[KDAState, ...]:
-    """Specs of a verify's per-step KDA states (a step axis after the row axis)."""
+def per_step_specs(n_kda: int, rules: ShardingRules, keep: str = "states") -> tuple:
+    """Specs of what a verify keeps per KDA layer (a step axis after the row axis): the
+    per-step states (`KDAState`) or the per-step inputs (`KDAInputs`), sharded by heads."""
     h = _one(rules.state_heads)
-    one = KDAState(
-        P(None, None, None, h),
-        P(None, None, None, h),
-        P(None, None, None, h),
-        P(None, None, h, None, None),
-    )
+    if keep == "inputs":
+        pre, heads = P(None, None, h), P(None, None, h, None)
+        one = KDAInputs(pre, pre, pre, heads, heads, heads, P(None, None, h))
+    else:
+        window = P(None, None, None, h)
+        one = KDAState(window, window, window, P(None, None, h, None, None))
     return (one,) * n_kda
 
 

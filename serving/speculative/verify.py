@@ -14,6 +14,11 @@ Acceptance:
 `commit_lens = accepted + 1`. Order (also under DCP, where the logits are replicated so every
 rank takes the same decision): accept, then the KDA state and conv windows commit, then (on the
 host) the KV tail release.
+
+The commit replays by default: the window pass keeps each step's inputs to the recurrence
+(k, v, g, beta and the pre-conv projections: O(T*H*K) per row) and, once `commit_lens` is
+known, a scan re-runs the first `commit_lens` steps from the slot's state. The gather commit
+(keep every step's state, O(T*H*K*V), and pick one) is its reference, `commit="gather"`.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from kimi_linear_jax.cache import KDAState, ModelCache
-from kimi_linear_jax.layers.block import scatter_rows
-from kimi_linear_jax.layers.kda import commit
+from kimi_linear_jax.layers.block import scatter_rows, state_rows
+from kimi_linear_jax.layers.kda import commit, replay
 from kimi_linear_jax.model import commit_kda, merge
 from serving.sampling import SamplingBatch, apply_penalties, row_keys, truncation_mask
 
 NUM_TOP_LOGPROBS = 20
+
+# The verify's KDA commit -> what the window pass keeps for it (`layers.kda.decode`).
+COMMITS = {"replay": "inputs", "gather": "states"}
 
 
 def target_probs(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -95,21 +103,35 @@ def _track_rows(per_step, track_steps, commit_lens) -> tuple[KDAState, ...]:
     )
 
 
+def _replay_tracked(cache: ModelCache, inputs, slots, commit_lens, track_steps, after):
+    """The replay commit of every KDA layer, and from the same pass the track rows (the state
+    after step track_steps[b]; placeholders where that step was not accepted)."""
+    valid = (track_steps >= 0) & (track_steps < commit_lens)
+    snapshot_n = jnp.where(valid, track_steps + 1, 0)
+    kda, snaps = [], []
+    for state, x in zip(cache.kda, inputs, strict=True):
+        new, snap = replay(state_rows(state, slots), x, commit_lens, snapshot_n)
+        kda.append(scatter_rows(state, slots, new, after=(after, snap)))
+        snaps.append(snap)
+    return ModelCache(tuple(kda), cache.mla), tuple(snaps)
+
+
 def _write_track(cache: ModelCache, rows, track_slots, track_steps, commit_lens) -> ModelCache:
     """Write the track rows to slot track_slots[b] when that step was accepted
-    (0 <= ith < commit_lens); other rows write nothing. After the commit's last write (see
-    `scatter_rows`), so that these writes need no copy of a pool either."""
+    (0 <= ith < commit_lens); other rows write nothing. After every write of the commit (the
+    conv windows' writes read the committed S pool; see `scatter_rows`), so that these writes
+    need no copy of a pool either."""
     valid = (track_steps >= 0) & (track_steps < commit_lens)
     kda = []
     for state, picked in zip(cache.kda, rows, strict=True):
         dst = jnp.where(valid, track_slots, state.S.shape[0])  # out of range: dropped
-        kda.append(scatter_rows(state, dst, picked, after=state.conv_v, mode="drop"))
+        kda.append(scatter_rows(state, dst, picked, after=state[:3], mode="drop"))
     return ModelCache(tuple(kda), cache.mla)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "mode", "commit_recurrent", "track"),
+    static_argnames=("graphdef", "mode", "commit_recurrent", "track", "commit"),
     donate_argnames=("cache",),
 )
 def verify_step(
@@ -129,25 +151,34 @@ def verify_step(
     mode,
     commit_recurrent=True,
     track=True,
+    commit="replay",
 ):
     """One verify over rows [B] (padding rows: batch.lengths 0). Returns ((tokens [B, T],
     commit_lens [B], logprob [B, T], top ids [B, T, N], top values [B, T, N]), cache); the
     logprob outputs are zeros in greedy mode. `track` (static) compiles the track-point
     snapshot in; without it the track arrays are ignored (a step with no row tracking skips the
-    extra gather and scatter of every KDA array)."""
+    extra gather and scatter of every KDA array). `commit` (static): "replay" re-runs the
+    accepted steps from the window's inputs, "gather" picks from every step's state (the
+    reference; T times the memory)."""
+    if commit not in COMMITS:
+        raise ValueError(f"commit must be one of {tuple(COMMITS)}, got {commit!r}")
     if drafts.ndim != 2 or drafts.shape[0] != last.shape[0]:
         raise ValueError(f"chain layout needs drafts [B, k], got {drafts.shape}")
     model = merge(graphdef, params)
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
     live = batch.lengths > 0
     batch = batch._replace(lengths=jnp.where(live, num_drafts + 1, 0))
-    logits, cache, per_step = model.verify(ids, cache, batch)
+    logits, cache, per_step = model.verify(ids, cache, batch, keep=COMMITS[commit])
     logits = logits.astype(jnp.float32)
     if mode == "penalized":  # penalised rows get no drafts: only position 0 matters
         logits = logits.at[:, 0].set(apply_penalties(logits[:, 0], counts, prompt_mask, sampling))
     tokens, accepted = accept(logits, drafts, num_drafts, sampling, sample=mode != "greedy")
     commit_lens = jnp.where(live, accepted + 1, 0)
-    if commit_recurrent:
+    if commit_recurrent and track and commit == "replay":
+        slots = batch.slots
+        cache, rows = _replay_tracked(cache, per_step, slots, commit_lens, track_steps, logits)
+        cache = _write_track(cache, rows, track_slots, track_steps, commit_lens)
+    elif commit_recurrent:
         # The track rows are computed before the commit overwrites the pools they come from
         # (XLA may recompute them from the pools' rows), and the commit waits for them.
         rows = _track_rows(per_step, track_steps, commit_lens) if track else ()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,8 +96,10 @@ def test_chunked_prefill_with_prefix(model):
     assert_close(logits, full[:, 45:], **TOL, name="second chunk")
 
 
-def test_window_decode_and_verify_commit(model):
-    """A 6-token window: logits == full forward; committing after n tokens == decoding n."""
+@pytest.mark.parametrize("keep", ["states", "inputs"])
+def test_window_decode_and_verify_commit(model, keep):
+    """A 6-token window: logits == full forward; committing after n tokens (a gather from the
+    per-step states, or a replay of the per-step inputs) == decoding n."""
     cfg, (g, p) = model
     N, T = 20, 6
     ids = ids_for(3, N + T, seed=5)
@@ -105,7 +109,8 @@ def test_window_decode_and_verify_commit(model):
     _, cache = prefill_step(g, p, jnp.asarray(ids[:, :N]), cache, batch)
     win = batch._replace(start=jnp.full((3,), N, jnp.int32), lengths=jnp.full((3,), T, jnp.int32))
     model_ = nnx.merge(g, p)
-    logits, after, per_step = jax.jit(model_.verify)(jnp.asarray(ids[:, N:]), cache, win)
+    verify = jax.jit(functools.partial(model_.verify, keep=keep))
+    logits, after, per_step = verify(jnp.asarray(ids[:, N:]), cache, win)
     assert_close(logits, full[:, N:], **TOL, name="verify logits")
     n = [0, 2, T]  # reject all, accept 2, accept all
     committed = commit_kda(after, per_step, win.slots, jnp.asarray(n, jnp.int32))

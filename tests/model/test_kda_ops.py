@@ -200,6 +200,11 @@ def test_replay_matches_commit():
         got = replay(s0, k, v, g, beta, lens)
         assert_close(got, want, name="replay vs commit", **TOL[jnp.float64])
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(s0[1]))
+        # A snapshot inside the committed prefix (a track point) from the same pass.
+        snaps = jnp.array([2, 0, 4, 1], jnp.int32)
+        final, snap = replay(s0, k, v, g, beta, lens, snaps)
+        assert_close(final, want, name="replay with snapshot", **TOL[jnp.float64])
+        assert_close(snap, commit(s0, states, snaps), name="snapshot", **TOL[jnp.float64])
 
 
 def _loss(fn, q, k, v, g, beta, s0, w_o, w_s):

@@ -74,11 +74,11 @@ def test_fused_decode_copies_no_pool(parts, num_steps):
     assert pool_copies(lowered.compile().as_text()) == []
 
 
-# track=True (a verify that also snapshots a track point into a checkpoint slot) still copies
-# each S pool twice: not fixed yet (issue 13's closing note); only steps that cross a track
-# point pay it.
-@pytest.mark.parametrize("track", [False])
-def test_verify_step_copies_no_pool(parts, track):
+# track=True: a verify that also snapshots a track point into a checkpoint slot (the snapshot
+# write must follow every write of the commit, or each S pool is copied twice).
+@pytest.mark.parametrize("commit", ["replay", "gather"])
+@pytest.mark.parametrize("track", [False, True])
+def test_verify_step_copies_no_pool(parts, commit, track):
     graphdef, params, cache, batch, sampling = parts
     k = 3
     zeros = jnp.zeros((1, 1), jnp.int32)
@@ -97,6 +97,7 @@ def test_verify_step_copies_no_pool(parts, track):
         jnp.full(1, -1, jnp.int32),
         mode="greedy",
         track=track,
+        commit=commit,
     )
     assert pool_copies(lowered.compile().as_text()) == []
 

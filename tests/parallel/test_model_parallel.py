@@ -18,7 +18,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import contiguous_batch
 from kimi_linear_jax.config import preset
-from kimi_linear_jax.model import merge
+from kimi_linear_jax.model import commit_kda, merge
 from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.rules import init_cache, shard_model
 from kimi_linear_jax.testing import random_model
@@ -64,7 +64,10 @@ def run_steps(model):
         b, cache = m.prefill(x[:, N1 : N1 + N2], cache, b1, has_prefix=True)
         start = jnp.asarray(LENS1 + LENS2, jnp.int32)
         bv = batch._replace(start=start, lengths=jnp.asarray([W, W - 1], jnp.int32))
-        c, cache = m.decode(x[:, N1 + N2 : N1 + N2 + W], cache, bv)
+        # The verify keeps its per-step inputs (as a speculative verify does) and the replay
+        # commit writes the sharded state the decode below reads.
+        c, cache, inputs = m.verify(x[:, N1 + N2 : N1 + N2 + W], cache, bv, keep="inputs")
+        cache = commit_kda(cache, inputs, bv.slots, bv.lengths, after=c)
         bd = batch._replace(start=start + bv.lengths, lengths=jnp.ones(B, jnp.int32))
         d, cache = m.decode(x[:, -1:], cache, bd)
         return a, b, c, d

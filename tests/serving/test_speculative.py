@@ -193,7 +193,19 @@ def _plain(graphdef, params, cache, table, start, tokens):
     return out, cache
 
 
-def _verify(graphdef, params, cache, table, start, last, drafts, *, commit=True, track=(-1, -1)):
+def _verify(
+    graphdef,
+    params,
+    cache,
+    table,
+    start,
+    last,
+    drafts,
+    *,
+    commit=True,
+    track=(-1, -1),
+    how="replay",
+):
     batch = Batch(jnp.asarray([1]), table, jnp.asarray([start]), jnp.asarray([1]))
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0, seed=0)], [0], 1)
     counts, mask = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), bool)
@@ -212,6 +224,7 @@ def _verify(graphdef, params, cache, table, start, last, drafts, *, commit=True,
         jnp.asarray([track[1]]),
         mode="greedy",
         commit_recurrent=commit,
+        commit=how,
     )
 
 
@@ -219,8 +232,9 @@ def _copy(cache):
     return jax.tree.map(jnp.copy, cache)
 
 
+@pytest.mark.parametrize("how", ["replay", "gather"])
 @pytest.mark.parametrize("wrong_at", [0, 2, None])
-def test_committed_state_equals_plain_decoding(model, wrong_at):
+def test_committed_state_equals_plain_decoding(model, wrong_at, how):
     graphdef, params, cache, table, n, first = _setup(model)
     # The true greedy continuation after `first` (K drafts and the bonus), then drafts with one
     # wrong token.
@@ -233,7 +247,7 @@ def test_committed_state_equals_plain_decoding(model, wrong_at):
     if wrong_at is not None:
         drafts[wrong_at] = (drafts[wrong_at] + 1) % model.config.vocab_size
     (tokens, commit_lens, *_), got = _verify(
-        graphdef, params, _copy(cache), table, n, first, drafts
+        graphdef, params, _copy(cache), table, n, first, drafts, how=how
     )
     accepted = K if wrong_at is None else wrong_at
     assert int(commit_lens[0]) == accepted + 1
@@ -249,22 +263,51 @@ def test_committed_state_equals_plain_decoding(model, wrong_at):
         assert all(differs)
 
 
-def test_track_slot_gets_the_state_at_the_point(model):
+@pytest.mark.parametrize("how", ["replay", "gather"])
+def test_track_slot_gets_the_state_at_the_point(model, how):
     graphdef, params, cache, table, n, first = _setup(model)
     seq, c = [first], _copy(cache)
     for i in range(K):
         nxt, c = _plain(graphdef, params, c, table, n + i, [seq[-1]])
         seq.append(nxt[0])
     ith = 1  # the state after window step 1, i.e. after n + 2 tokens
-    _, got = _verify(graphdef, params, _copy(cache), table, n, first, seq[1:], track=(2, ith))
+    run = dict(track=(2, ith), how=how)
+    _, got = _verify(graphdef, params, _copy(cache), table, n, first, seq[1:], **run)
     _, want = _plain(graphdef, params, _copy(cache), table, n, seq[: ith + 1])
     for g, w in zip(got.kda, want.kda, strict=True):
         for a, b in zip(g, w, strict=True):
             np.testing.assert_allclose(a[2], b[1], rtol=1e-5, atol=1e-6)
     # A step past commit_lens is not tracked: slot 2 stays zero.
     drafts = [seq[1] + 1] + seq[2:]  # rejects everything: commit_lens 1
-    _, got = _verify(graphdef, params, _copy(cache), table, n, first, drafts, track=(2, 1))
+    _, got = _verify(graphdef, params, _copy(cache), table, n, first, drafts, **run)
     assert all(float(jnp.abs(g.S[2]).max()) == 0.0 for g in got.kda)
+
+
+@pytest.mark.parametrize("accept_all", [False, True])
+def test_replay_commit_equals_gather_commit(model, accept_all):
+    """The replay commit and its reference leave the same cache, every slot and page, with a
+    track point inside the accepted prefix."""
+    graphdef, params, cache, table, n, first = _setup(model)
+    seq, c = [first], _copy(cache)
+    for i in range(K):  # the target's own greedy choices: every draft accepted
+        nxt, c = _plain(graphdef, params, c, table, n + i, [seq[-1]])
+        seq.append(nxt[0])
+    drafts = seq[1:] if accept_all else [(seq[1] + 1) % model.config.vocab_size] + seq[2:]
+    caches = {}
+    for how in ("gather", "replay"):
+        args = (graphdef, params, _copy(cache), table, n, first, drafts)
+        (_, commit_lens, *_), caches[how] = _verify(*args, track=(2, 0), how=how)
+        assert int(commit_lens[0]) == (K + 1 if accept_all else 1)
+    flat = [jax.tree.leaves(caches[h]) for h in ("gather", "replay")]
+    for a, b in zip(*flat, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(caches["replay"].kda[0].S[2]).max()) > 0  # the track slot was written
+
+
+def test_verify_rejects_unknown_commit(model):
+    graphdef, params, cache, table, n, first = _setup(model)
+    with pytest.raises(ValueError, match="commit must be one of"):
+        _verify(graphdef, params, cache, table, n, first, [1] * K, how="copy")
 
 
 # ---- rejection sampling keeps the target distribution -------------------------------------------
