@@ -22,6 +22,7 @@ import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
 import speculative  # noqa: E402
 import throughput  # noqa: E402
+import verify_commit  # noqa: E402
 
 
 def dcp_combine(argv: list[str]) -> None:
@@ -48,6 +49,8 @@ BENCHMARKS = {
     "throughput": throughput.main,
     # Oracle / n-gram / draft-model speculation vs plain decode, small preset, B 1 8.
     "speculative": speculative.main,
+    # The verify's replay vs gather commit: memory at the release's shapes, time here.
+    "verify_commit": verify_commit.main,
     # ms per token with 3 vs 97 state slots (the pool must not cost per step).
     "pool_size": pool_size.main,
     # TTFT and prefill tokens saved, 2k-token shared prefix, cache on vs off.
