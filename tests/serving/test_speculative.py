@@ -8,6 +8,9 @@ Engines share the shapes of test_engine.py so the jitted steps compile once per 
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -299,6 +302,84 @@ def test_rejection_sampling_keeps_target_distribution(draft, top_k):
     assert (
         abs(float(accepted.mean()) - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / b) + 1e-9
     )
+
+
+# Per window position a different target (logits) and draft: a bug that reads another position's
+# distribution, or skips a draw, changes the law of the emitted tokens.
+WINDOW_LOGITS = np.asarray(
+    [
+        [1.2, 0.3, -0.5, 0.9, 0.0, -1.0],
+        [-0.8, 1.5, 0.2, -0.3, 0.7, 0.0],
+        [0.1, -1.0, 1.3, 0.4, -0.2, 0.9],
+        [0.6, 0.2, -0.4, -1.2, 1.4, 0.3],
+    ]
+)
+WINDOW_TEMPERATURE = 0.8
+_accept_sampled = jax.jit(functools.partial(accept, sample=True))
+
+
+def _numpy_target(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """softmax(logits / T) over the top_k largest logits (all when top_k is 0), float64."""
+    z = logits / WINDOW_TEMPERATURE
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _speculative_law(p: np.ndarray, drafts: list[int], n: int) -> dict[tuple[int, int], float]:
+    """Exact law of what a row emits, as cells (accepted m, token emitted at position m): the
+    law of sampling x_0 ~ p_0, x_1 ~ p_1, ... autoregressively (the targets do not depend on the
+    prefix here) and stopping after the first x_m != d_m or after x_n. Cells of probability 0
+    (a draft itself at its own rejection, tokens outside top-k) are left out."""
+    law, reach = {}, 1.0
+    for m in range(n + 1):
+        for x in range(p.shape[1]):
+            if (m == n or x != drafts[m]) and reach * p[m, x] > 0:
+                law[(m, x)] = reach * p[m, x]
+        if m < n:
+            reach *= p[m, drafts[m]]
+    return law
+
+
+@pytest.mark.parametrize(
+    ("drafts", "num_drafts", "top_k"),
+    [
+        ([0, 1, 2], 3, 0),  # every draft likely: all positions and the bonus are reached often
+        ([0, 1, 2], 2, 0),  # a window longer than the drafts: the bonus at position 2
+        ([0, 1, 2], 3, 3),  # top-k: only the support counts
+        ([3, 4, 0], 3, 3),  # the last draft is outside top-k: always rejected
+    ],
+)
+def test_rejection_sampling_law_of_every_emitted_position(drafts, num_drafts, top_k):
+    """The emitted sequence (tokens[:accepted + 1]) has the law of sampling each position from
+    its own target; chi-square over every cell of positive probability (df = cells - 1)."""
+    b, (t, v) = 40_000, WINDOW_LOGITS.shape
+    params = SamplingParams(temperature=WINDOW_TEMPERATURE, top_k=top_k, seed=0)
+    sampling = SamplingBatch.from_params([params] * b, [0] * b, b, seeds=range(b))
+    window = jnp.broadcast_to(jnp.asarray(WINDOW_LOGITS, jnp.float32), (b, t, v))
+    tokens, accepted = _accept_sampled(
+        window,
+        jnp.broadcast_to(jnp.asarray(drafts, jnp.int32), (b, t - 1)),
+        jnp.full(b, num_drafts, jnp.int32),
+        sampling,
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    assert accepted.min() >= 0 and accepted.max() <= num_drafts
+    # What a row emits before its last token is its drafts, in order.
+    for m in range(1, num_drafts + 1):
+        np.testing.assert_array_equal(tokens[accepted >= m, m - 1], drafts[m - 1])
+    p = np.stack([_numpy_target(row, top_k) for row in WINDOW_LOGITS])
+    law = _speculative_law(p, drafts, num_drafts)
+    observed = collections.Counter(zip(accepted.tolist(), tokens[np.arange(b), accepted].tolist()))
+    assert set(observed) <= set(law), sorted(set(observed) - set(law))  # nothing impossible
+    cells = sorted(law)
+    expected = b * np.asarray([law[c] for c in cells])
+    counts = np.asarray([observed[c] for c in cells])
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # Chi-square survival function with len(cells) - 1 degrees of freedom.
+    p_value = float(jax.scipy.special.gammaincc((len(cells) - 1) / 2, chi2 / 2))
+    assert p_value > 1e-3, (chi2, len(cells) - 1, dict(zip(cells, counts)), expected)
 
 
 # ---- tracking points and the drafters' host logic -----------------------------------------------
