@@ -171,6 +171,29 @@ def test_sampled_speculation_is_reproducible(model, reference):
     assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
 
 
+def test_penalised_rows_do_not_speculate(model, reference):
+    """A penalty's counts change inside a window, so a penalised row verifies one token at a
+    time: no drafts for it even from a drafter that knows its exact continuation, and its
+    output is the plain engine's; the greedy rows beside it still speculate."""
+    pen = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, pen, use_tqdm=False)]
+    assert plain != reference  # the penalty changes the greedy output
+    knows = OracleDrafter(
+        {tuple(p): out for p, out in zip(PROMPTS, plain, strict=True)}, model.config.vocab_size
+    )
+    llm = spec_llm(model, knows)
+    assert [o.token_ids for o in llm.generate(PROMPTS, pen, use_tqdm=False)] == plain
+    assert llm.metrics()["spec_draft_tokens"] == 0
+    # Mixed with greedy rows (one batch, the penalised mode): only those draft.
+    mixed = spec_llm(model, oracle(model, reference, ERRORS["all_accepted"]))
+    outs = mixed.generate(PROMPTS, [pen, GREEDY, GREEDY], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [plain[0], *reference[1:]]
+    m = mixed.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+    assert_drained(llm)
+    assert_drained(mixed)
+
+
 # ---- the committed state equals plain decoding of the accepted tokens --------------------------
 
 
