@@ -149,6 +149,45 @@ def test_dcp4_greedy_equals_plain(model, reference):
     assert_drained(llm)
 
 
+def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
+    """A verify reserves pages for its whole window; after it a row keeps the pages of the
+    tokens it has (prompt + emitted; at most those of the window, as the bonus token's KV comes
+    next step): the rejected tail goes back to the free list."""
+    llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_1"]))
+    tokens_per_page = SHAPES["page_size"]  # dcp 1
+    schedule, reserved = llm.scheduler.schedule, {}
+
+    def recording_schedule():
+        out = schedule()
+        reserved.clear()
+        for r in out.decode:  # pages held for the window, before the verify runs
+            reserved[r.request_id] = len(llm.allocator.pages(r.request_id))
+        return out
+
+    llm.scheduler.schedule = recording_schedule
+    prompts = {llm.add_request(p, GREEDY): len(p) for p in PROMPTS}
+    verified = released = whole = 0
+    while llm.has_unfinished_requests():
+        emitted = {o.request_id: len(o.token_ids) for o in llm.step() if not o.finished}
+        live = {r.request_id for r in llm.scheduler.running}
+        for rid, held in reserved.items():
+            if rid not in live:
+                continue
+            want = min(-(-(prompts[rid] + emitted[rid]) // tokens_per_page), held)
+            assert len(llm.allocator.pages(rid)) == want, (rid, emitted[rid], held)
+            verified += 1
+            released += held > want
+        if reserved and set(reserved) == live:  # every page in use is a verified row's
+            want = sum(
+                min(-(-(prompts[r] + emitted[r]) // tokens_per_page), reserved[r]) for r in live
+            )
+            assert llm.allocator.num_used == want
+            whole += 1
+    # Windows were rejected past a page boundary (else there would be nothing to release).
+    assert verified > 0 and released > 0 and whole > 0, (verified, released, whole)
+    assert_drained(llm)
+
+
 def test_without_commit_output_drifts(model, reference):
     """The same run with the recurrent commit switched off gives other tokens: the tests above
     would see drift."""
