@@ -188,6 +188,28 @@ def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
     assert_drained(llm)
 
 
+def test_dcp4_ngram_greedy_equals_plain(model):
+    prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup proposes and is accepted
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = spec_llm(model, dcp_size=4)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0, m
+    assert_drained(llm)
+
+
+def test_dcp4_draft_model_greedy_equals_plain(model, reference):
+    """The draft shares the DCP mesh and keeps its own DCP caches: the target as its own draft
+    proposes exactly the target's tokens, so everything it drafts is accepted."""
+    spec = {"method": "draft_model", "num_draft_tokens": K, "model": model}
+    llm = spec_llm(model, speculative=spec, dcp_size=4)
+    assert llm.runner.drafter.par.dcp == 4
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0, m
+    assert_drained(llm)
+
+
 def test_without_commit_output_drifts(model, reference):
     """The same run with the recurrent commit switched off gives other tokens: the tests above
     would see drift."""
