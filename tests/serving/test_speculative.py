@@ -1,7 +1,8 @@
 """Speculative decoding: greedy output equals plain greedy token for token with every drafter
-(oracle with injected errors, n-gram, a random draft model), the committed recurrent state
-equals plain decoding of the accepted tokens (and drifts without the commit), rejection sampling
-keeps the target distribution, pages come back, and the tracking-point index math.
+(oracle with injected errors, n-gram, a draft model; also at dcp 4), penalised rows do not
+speculate, the committed recurrent state equals plain decoding of the accepted tokens (and
+drifts without the commit), rejection sampling keeps the target law at every emitted position,
+pages past the accepted tokens come back after each verify, and the tracking-point index math.
 
 Engines share the shapes of test_engine.py so the jitted steps compile once per shape.
 """
