@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kimi_linear_jax.ops import mla as mla_ops
 from kimi_linear_jax.parallel import dcp
+from kimi_linear_jax.parallel.mesh import shard_map
 from tests.helpers import assert_close
 
 _dcp_write = jax.jit(dcp.dcp_write_latents, static_argnums=5)
@@ -120,6 +122,71 @@ def test_merge_stacked_partials():
     o_m, lse_m = dcp.merge_stacked_partials(jnp.where(empty, jnp.nan, o), lse)
     _assert_attn_close(o_m, lse_m, o_ref, lse_ref, atol=1e-6, name="merge")
     assert np.all(np.isneginf(np.asarray(lse_m[1])))
+
+
+def _merge_reference(o, lse):
+    """float64 numpy merge of partials o [c, ..., L], lse [c, ...] (natural log, -inf = empty)."""
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    m = lse.max(axis=0)
+    safe_m = np.where(np.isfinite(m), m, 0.0)
+    w = np.exp(lse - safe_m)  # exact in float64 for these spreads; empty slices give 0
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse_out = np.where(total > 0, safe_m + np.log(total), -np.inf)
+        o_out = np.where(total[..., None] > 0, np.einsum("c...,c...l->...l", w, o), 0.0)
+        o_out /= np.where(total > 0, total, 1.0)[..., None]
+    return o_out, lse_out
+
+
+def _large_lse_partials(c, B=2, T=3, H=4, L=8, seed=0):
+    """Partials whose lse lie around 500 (exp overflows float32 past 88.7) with spreads of a
+    few units and up to 60, some slices empty (-inf), and one row empty on every rank."""
+    rng = np.random.default_rng(seed)
+    o = rng.standard_normal((c, B, T, H, L)).astype(np.float32)
+    lse = (500 + rng.normal(0, 3, (c, B, T, H))).astype(np.float32)
+    lse[0, 0, 0] -= 60  # one rank far below the others
+    lse[1:, 0, 1] = -np.inf  # only rank 0 saw keys
+    lse[:, 1, 2, 0] = -np.inf  # nobody saw keys
+    lse[c - 1, 1, 0] = -np.inf
+    return o, lse
+
+
+@functools.cache
+def _combine_fn(c: int, name: str):
+    """jit(shard_map) of the named dcp combine over partials stacked on axis 0 (one per rank)."""
+    mesh = _mesh(c)
+    if name in dcp.REPLICATED_COMBINES:
+        fn, out = dcp.REPLICATED_COMBINES[name], (P(), P())
+        body = lambda o, lse: fn(o[0], lse[0])
+    else:
+        fn, out = dcp.HEAD_COMBINES[name], (P(None, None, "dcp"), P(None, None, "dcp"))
+        body = lambda o, lse: fn(o[0], lse[0], c)
+    return mesh, jax.jit(shard_map(body, mesh, (P("dcp"), P("dcp")), out))
+
+
+@pytest.mark.parametrize(
+    "name", sorted(dcp.REPLICATED_COMBINES) + sorted(dcp.HEAD_COMBINES) + ["stacked", "pairwise"]
+)
+def test_lse_merges_do_not_overflow(name):
+    """Every lse combine subtracts the max: lse around 500 in float32 merges to the float64
+    result (a merge computing exp(lse) directly overflows to inf / NaN)."""
+    c = 4
+    o, lse = _large_lse_partials(c)
+    o_ref, lse_ref = _merge_reference(o, lse)
+    if name == "stacked":
+        got = dcp.merge_stacked_partials(jnp.asarray(o), jnp.asarray(lse))
+    elif name == "pairwise":
+        empty = np.isneginf(lse)[..., None]
+        got = (jnp.asarray(np.where(empty[0], 0.0, o[0])), jnp.asarray(lse[0]))
+        for r in range(1, c):
+            part = jnp.asarray(np.where(empty[r], 0.0, o[r])), jnp.asarray(lse[r])
+            got = mla_ops.merge_partials(*got, *part)
+    else:
+        mesh, fn = _combine_fn(c, name)
+        sharded = NamedSharding(mesh, P("dcp"))
+        got = fn(jax.device_put(o, sharded), jax.device_put(lse, sharded))
+    # float32 carries lse ~ 500 to one ulp (3e-5); a few ulps of error are expected.
+    _assert_attn_close(*got, o_ref, lse_ref, atol=1e-4, name=name)
 
 
 # --------------------------------------------------------------------------- write + attention

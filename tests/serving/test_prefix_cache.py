@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 
+from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.testing import random_model
 from serving.allocator import PageAllocator
 from serving.engine import LLM
 from serving.prefix_cache import PrefixCache, branching_depth, checkpoint_depth
 from serving.sampling import SamplingParams
+from serving.speculative.track import checkpoint_grid, resolve_track_interval
 
 # ---- the checkpoint grid -----------------------------------------------------------------------
 
@@ -32,6 +34,24 @@ def test_checkpoint_depth_none_when_not_past_the_prefix():
     assert checkpoint_depth(0, 63, 64, 16) is None
     assert checkpoint_depth(0, 64, 64, 16) == 64
     assert branching_depth(300, 64, 256) == 256 and branching_depth(250, 64, 16) == 192
+
+
+def _smallest_common_multiple(a: int, b: int) -> int:
+    return next(d for d in range(max(a, b), a * b + 1) if d % a == 0 and d % b == 0)
+
+
+@pytest.mark.parametrize(("page_size", "dcp"), [(48, 3), (48, 1), (96, 3), (16, 4)])
+def test_checkpoint_grid_for_sizes_not_powers_of_two(page_size, dcp):
+    """The grid is the least common multiple of the state chunk (max(64, page_size)) and the
+    tree page (page_size * dcp), not the larger of the two: page 48 at dcp 3 gives
+    lcm(64, 144) = 576, where 144 (a tree page) has no chunked-prefill state."""
+    want = _smallest_common_multiple(max(64, page_size), page_size * dcp)
+    assert CacheLayout(2, page_size, dcp).checkpoint_grid == want
+    assert checkpoint_grid(page_size, dcp) == want
+    assert resolve_track_interval(None, page_size, dcp) == want
+    assert PrefixCache(PageAllocator(4, page_size, dcp), range(1, 2)).grid == want
+    if (page_size, dcp) == (48, 3):
+        assert want == 576  # 2**6 * 3**2
 
 
 # ---- the tree on the host ----------------------------------------------------------------------
@@ -194,4 +214,46 @@ def test_eviction_under_a_small_pool_keeps_outputs(model):
     assert llm.metrics()["prefix_cache_evicted_pages"] > 0
     llm.allocator.check_invariants()
     assert out_a == ref_of(llm, a) and out_b == ref_of(llm, b)
+    assert_drained(llm)
+
+
+# `tiny` with counts that TP 3 divides (DCP is a subgroup of TP, so dcp 3 needs tp 3).
+TP3 = dict(
+    vocab_size=324,
+    num_attention_heads=6,
+    linear_num_heads=6,
+    num_experts=6,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+)
+
+
+@pytest.mark.slow  # a fresh TP 3 x DCP 3 engine: about 17 s of compiling on CPU
+def test_decode_snapshot_hit_on_the_grid_at_page_48_dcp_3():
+    """page_size 48, dcp 3: tree page 144, grid lcm(64, 144) = 576. Turn 1 (700 prompt tokens)
+    donates its prefill state at 576 and decodes past 720, a tree-page boundary but not a grid
+    depth, so no decode snapshot; turn 2 (turn 1 + its output + 3 tokens) hits at 576 and its
+    output equals a cold run's."""
+    model = random_model(preset("tiny", **TP3))
+    llm = LLM(
+        model,
+        page_size=48,
+        tensor_parallel_size=3,
+        dcp_size=3,
+        num_pages=16,
+        max_num_seqs=1,
+        batch_buckets=(1,),
+        token_buckets=(256,),
+        max_num_batched_tokens=256,
+        chunk_size=256,
+    )
+    assert llm.track_interval == 576
+    turn1 = [(7 * i) % 250 + 1 for i in range(700)]
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    (out1,) = llm.generate([turn1], params, use_tqdm=False)
+    turn2 = turn1 + out1.token_ids + [9, 8, 7]
+    assert len(turn2) > 720
+    (out2,) = llm.generate([turn2], GREEDY, use_tqdm=False)
+    assert out2.num_cached_tokens == 576
+    assert out2.token_ids == ref_of(llm, turn2)
     assert_drained(llm)

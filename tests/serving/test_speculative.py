@@ -1,12 +1,16 @@
 """Speculative decoding: greedy output equals plain greedy token for token with every drafter
-(oracle with injected errors, n-gram, a random draft model), the committed recurrent state
-equals plain decoding of the accepted tokens (and drifts without the commit), rejection sampling
-keeps the target distribution, pages come back, and the tracking-point index math.
+(oracle with injected errors, n-gram, a draft model; also at dcp 4), penalised rows do not
+speculate, the committed recurrent state equals plain decoding of the accepted tokens (and
+drifts without the commit), rejection sampling keeps the target law at every emitted position,
+pages past the accepted tokens come back after each verify, and the tracking-point index math.
 
 Engines share the shapes of test_engine.py so the jitted steps compile once per shape.
 """
 
 from __future__ import annotations
+
+import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +150,67 @@ def test_dcp4_greedy_equals_plain(model, reference):
     assert_drained(llm)
 
 
+def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
+    """A verify reserves pages for its whole window; after it a row keeps the pages of the
+    tokens it has (prompt + emitted; at most those of the window, as the bonus token's KV comes
+    next step): the rejected tail goes back to the free list."""
+    llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_1"]))
+    tokens_per_page = SHAPES["page_size"]  # dcp 1
+    schedule, reserved = llm.scheduler.schedule, {}
+
+    def recording_schedule():
+        out = schedule()
+        reserved.clear()
+        for r in out.decode:  # pages held for the window, before the verify runs
+            reserved[r.request_id] = len(llm.allocator.pages(r.request_id))
+        return out
+
+    llm.scheduler.schedule = recording_schedule
+    prompts = {llm.add_request(p, GREEDY): len(p) for p in PROMPTS}
+    verified = released = whole = 0
+    while llm.has_unfinished_requests():
+        emitted = {o.request_id: len(o.token_ids) for o in llm.step() if not o.finished}
+        live = {r.request_id for r in llm.scheduler.running}
+        for rid, held in reserved.items():
+            if rid not in live:
+                continue
+            want = min(-(-(prompts[rid] + emitted[rid]) // tokens_per_page), held)
+            assert len(llm.allocator.pages(rid)) == want, (rid, emitted[rid], held)
+            verified += 1
+            released += held > want
+        if reserved and set(reserved) == live:  # every page in use is a verified row's
+            want = sum(
+                min(-(-(prompts[r] + emitted[r]) // tokens_per_page), reserved[r]) for r in live
+            )
+            assert llm.allocator.num_used == want
+            whole += 1
+    # Windows were rejected past a page boundary (else there would be nothing to release).
+    assert verified > 0 and released > 0 and whole > 0, (verified, released, whole)
+    assert_drained(llm)
+
+
+def test_dcp4_ngram_greedy_equals_plain(model):
+    prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup proposes and is accepted
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = spec_llm(model, dcp_size=4)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0, m
+    assert_drained(llm)
+
+
+def test_dcp4_draft_model_greedy_equals_plain(model, reference):
+    """The draft shares the DCP mesh and keeps its own DCP caches: the target as its own draft
+    proposes exactly the target's tokens, so everything it drafts is accepted."""
+    spec = {"method": "draft_model", "num_draft_tokens": K, "model": model}
+    llm = spec_llm(model, speculative=spec, dcp_size=4)
+    assert llm.runner.drafter.par.dcp == 4
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0, m
+    assert_drained(llm)
+
+
 def test_without_commit_output_drifts(model, reference):
     """The same run with the recurrent commit switched off gives other tokens: the tests above
     would see drift."""
@@ -166,6 +231,29 @@ def test_sampled_speculation_is_reproducible(model, reference):
         for _ in range(2)
     ]
     assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
+
+
+def test_penalised_rows_do_not_speculate(model, reference):
+    """A penalty's counts change inside a window, so a penalised row verifies one token at a
+    time: no drafts for it even from a drafter that knows its exact continuation, and its
+    output is the plain engine's; the greedy rows beside it still speculate."""
+    pen = SamplingParams(temperature=0, repetition_penalty=1.8, max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, pen, use_tqdm=False)]
+    assert plain != reference  # the penalty changes the greedy output
+    knows = OracleDrafter(
+        {tuple(p): out for p, out in zip(PROMPTS, plain, strict=True)}, model.config.vocab_size
+    )
+    llm = spec_llm(model, knows)
+    assert [o.token_ids for o in llm.generate(PROMPTS, pen, use_tqdm=False)] == plain
+    assert llm.metrics()["spec_draft_tokens"] == 0
+    # Mixed with greedy rows (one batch, the penalised mode): only those draft.
+    mixed = spec_llm(model, oracle(model, reference, ERRORS["all_accepted"]))
+    outs = mixed.generate(PROMPTS, [pen, GREEDY, GREEDY], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [plain[0], *reference[1:]]
+    m = mixed.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+    assert_drained(llm)
+    assert_drained(mixed)
 
 
 # ---- the committed state equals plain decoding of the accepted tokens --------------------------
@@ -342,6 +430,84 @@ def test_rejection_sampling_keeps_target_distribution(draft, top_k):
     assert (
         abs(float(accepted.mean()) - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / b) + 1e-9
     )
+
+
+# Per window position a different target (logits) and draft: a bug that reads another position's
+# distribution, or skips a draw, changes the law of the emitted tokens.
+WINDOW_LOGITS = np.asarray(
+    [
+        [1.2, 0.3, -0.5, 0.9, 0.0, -1.0],
+        [-0.8, 1.5, 0.2, -0.3, 0.7, 0.0],
+        [0.1, -1.0, 1.3, 0.4, -0.2, 0.9],
+        [0.6, 0.2, -0.4, -1.2, 1.4, 0.3],
+    ]
+)
+WINDOW_TEMPERATURE = 0.8
+_accept_sampled = jax.jit(functools.partial(accept, sample=True))
+
+
+def _numpy_target(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """softmax(logits / T) over the top_k largest logits (all when top_k is 0), float64."""
+    z = logits / WINDOW_TEMPERATURE
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _speculative_law(p: np.ndarray, drafts: list[int], n: int) -> dict[tuple[int, int], float]:
+    """Exact law of what a row emits, as cells (accepted m, token emitted at position m): the
+    law of sampling x_0 ~ p_0, x_1 ~ p_1, ... autoregressively (the targets do not depend on the
+    prefix here) and stopping after the first x_m != d_m or after x_n. Cells of probability 0
+    (a draft itself at its own rejection, tokens outside top-k) are left out."""
+    law, reach = {}, 1.0
+    for m in range(n + 1):
+        for x in range(p.shape[1]):
+            if (m == n or x != drafts[m]) and reach * p[m, x] > 0:
+                law[(m, x)] = reach * p[m, x]
+        if m < n:
+            reach *= p[m, drafts[m]]
+    return law
+
+
+@pytest.mark.parametrize(
+    ("drafts", "num_drafts", "top_k"),
+    [
+        ([0, 1, 2], 3, 0),  # every draft likely: all positions and the bonus are reached often
+        ([0, 1, 2], 2, 0),  # a window longer than the drafts: the bonus at position 2
+        ([0, 1, 2], 3, 3),  # top-k: only the support counts
+        ([3, 4, 0], 3, 3),  # the last draft is outside top-k: always rejected
+    ],
+)
+def test_rejection_sampling_law_of_every_emitted_position(drafts, num_drafts, top_k):
+    """The emitted sequence (tokens[:accepted + 1]) has the law of sampling each position from
+    its own target; chi-square over every cell of positive probability (df = cells - 1)."""
+    b, (t, v) = 40_000, WINDOW_LOGITS.shape
+    params = SamplingParams(temperature=WINDOW_TEMPERATURE, top_k=top_k, seed=0)
+    sampling = SamplingBatch.from_params([params] * b, [0] * b, b, seeds=range(b))
+    window = jnp.broadcast_to(jnp.asarray(WINDOW_LOGITS, jnp.float32), (b, t, v))
+    tokens, accepted = _accept_sampled(
+        window,
+        jnp.broadcast_to(jnp.asarray(drafts, jnp.int32), (b, t - 1)),
+        jnp.full(b, num_drafts, jnp.int32),
+        sampling,
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    assert accepted.min() >= 0 and accepted.max() <= num_drafts
+    # What a row emits before its last token is its drafts, in order.
+    for m in range(1, num_drafts + 1):
+        np.testing.assert_array_equal(tokens[accepted >= m, m - 1], drafts[m - 1])
+    p = np.stack([_numpy_target(row, top_k) for row in WINDOW_LOGITS])
+    law = _speculative_law(p, drafts, num_drafts)
+    observed = collections.Counter(zip(accepted.tolist(), tokens[np.arange(b), accepted].tolist()))
+    assert set(observed) <= set(law), sorted(set(observed) - set(law))  # nothing impossible
+    cells = sorted(law)
+    expected = b * np.asarray([law[c] for c in cells])
+    counts = np.asarray([observed[c] for c in cells])
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # Chi-square survival function with len(cells) - 1 degrees of freedom.
+    p_value = float(jax.scipy.special.gammaincc((len(cells) - 1) / 2, chi2 / 2))
+    assert p_value > 1e-3, (chi2, len(cells) - 1, dict(zip(cells, counts)), expected)
 
 
 # ---- tracking points and the drafters' host logic -----------------------------------------------
