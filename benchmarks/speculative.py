@@ -67,7 +67,9 @@ from kimi_linear_jax.config import KimiLinearConfig, preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from serving.scheduler import Placement  # noqa: E402
 from serving.speculative.oracle import OracleDrafter  # noqa: E402
+from serving.state_pool import NULL_SLOT  # noqa: E402
 
 COLUMNS = [
     "config",
@@ -188,7 +190,7 @@ def compiled_memory(llm: LLM, b: int, k: int, verify_fn, decode_fn) -> dict:
     """XLA's memory analysis of the compiled verify step (window k + 1) and the plain decode
     step at batch b, with the runner's own parameters, cache and padded batch shapes."""
     r = llm.runner
-    batch = r._batch(*r._arrays(b))
+    _, batch = r._batch([Placement(NULL_SLOT, (), 0, 0)] * b)
     sampling, counts, mask = r._sampling_inputs([None] * b, b, "greedy")
     zeros = jnp.zeros(b, jnp.int32)
     verify = verify_fn.lower(

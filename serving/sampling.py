@@ -57,6 +57,15 @@ class SamplingParams:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
+    @property
+    def has_penalty(self) -> bool:
+        """A repetition, presence or frequency penalty: the row needs its token counts."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first field of a wrong type or outside its limit. The
         one check every entry point uses (offline API, CLI, JSONL lines, HTTP): no coercion,

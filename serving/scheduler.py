@@ -118,13 +118,25 @@ class PrefillChunk:
         return self.request.all_token_ids[self.start : self.end]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one row of a step lives, as the scheduler fixed it: compute `length` tokens from
+    position `start` (a decode: 1 token a step) with the recurrent state in state slot `slot`
+    and the KV in `pages` (the request's pages in token order; the runner pads them to its
+    block-table width with the null page). The runner needs no allocator or pool."""
+
+    slot: int
+    pages: tuple[int, ...]
+    start: int
+    length: int
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
-    """One step. Rows are `prefill` chunks then `decode` requests, in that order.
+    """One step. Rows are `prefill` chunks then `decode` requests, in that order; `placement`
+    maps each row's request id to its slot, pages, start and length.
 
     A decode computes token `num_tokens - 1` at position `num_computed_tokens` and samples.
-    Slots come from `StatePool.slot(request_id)`, block-table rows from
-    `PageAllocator.block_table_row(request_id, width)`.
     """
 
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
@@ -132,6 +144,9 @@ class SchedulerOutput:
     # Per decode row: fused decode steps to run (pages are allocated for them). All 1 when the
     # step also has prefill chunks: fusion runs only in decode-only steps.
     decode_steps: list[int] = dataclasses.field(default_factory=list)
+    # Speculative steps, per decode row: the most drafts it may propose (0: a plain decode).
+    max_drafts: list[int] = dataclasses.field(default_factory=list)
+    placement: dict[Hashable, Placement] = dataclasses.field(default_factory=dict)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
     # Prefix caching. Before the step: copy checkpoint slot -> request's slot (a hit). After the
     # step: copy request's slot -> checkpoint slot (a donation; `update` inserts the tree node).
@@ -153,6 +168,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def restore_copies(self) -> list[tuple[int, int]]:
+        """(checkpoint slot, request slot) pairs to copy before the step."""
+        return [(src, self.placement[rid].slot) for src, rid in self.restores]
+
+    @property
+    def snapshot_copies(self) -> list[tuple[int, int]]:
+        """(request slot, checkpoint slot) pairs to copy after the step."""
+        return [(self.placement[rid].slot, dst) for rid, dst, _ in self.snapshots]
+
 
 class Scheduler:
     """Decides which requests run each step and owns their pages and state slots."""
@@ -169,6 +194,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         num_decode_steps: int = 1,
         speculative: bool = False,
+        spec_min_acceptance: float = 0.0,
+        spec_probe_interval: int = 16,
         prefix_cache: PrefixCache | None = None,
         track_interval: int | None = None,
     ) -> None:
@@ -192,6 +219,12 @@ class Scheduler:
         # Speculative: decode_steps is each row's verify window (1 + drafts), reserved before
         # the verify; what was not accepted is released after it (`update`).
         self.speculative = speculative
+        # Adaptive speculation: a request whose recent acceptance (an EMA) is below this stops
+        # proposing (its window is one token) except one probe every `spec_probe_interval`
+        # verifies. A verify window costs several decode steps on a CPU, so drafts that keep
+        # failing are a loss. 0 turns it off.
+        self.spec_min_acceptance = spec_min_acceptance
+        self.spec_probe_interval = spec_probe_interval
         self.prefix_cache = prefix_cache
         self.track_interval = track_interval if prefix_cache is not None else None
         self.requests: dict[Hashable, Request] = {}  # every unfinished request
@@ -255,7 +288,7 @@ class Scheduler:
 
     def abort(self, request_id: Hashable, reason: str = "abort") -> Request | None:
         """Finish the request (pages and slot freed) with `reason`; None if unknown or already
-        finished. The engine also uses it for stop strings, found on the host."""
+        finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -276,8 +309,19 @@ class Scheduler:
         self._admit(out, budget)
         if out.prefill and not self.speculative:
             out.decode_steps = [1] * len(out.decode)
+        self._place(out)
         self._in_flight = not out.is_empty
         return out
+
+    def _place(self, out: SchedulerOutput) -> None:
+        """Fix each row's slot and pages once every row is scheduled (no row of a step loses
+        or gains pages after its own scheduling, but reading them last says so plainly)."""
+        rows = [(c.request, c.start, c.length) for c in out.prefill]
+        rows += [(r, r.num_computed_tokens, 1) for r in out.decode]
+        for request, start, length in rows:
+            rid = request.request_id
+            pages = tuple(self.allocator.pages(rid))
+            out.placement[rid] = Placement(self.state_pool.slot(rid), pages, start, length)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, *, decodes: bool) -> int:
         for request in list(self.running):
@@ -303,6 +347,8 @@ class Scheduler:
                 budget -= 1  # the budget counts rows of work, not the fused lookahead
                 out.decode.append(request)
                 out.decode_steps.append(length)
+                if self.speculative:
+                    out.max_drafts.append(self._max_drafts(request, length - 1))
                 self._plan_track(out, request, length)
             else:
                 budget -= length
@@ -483,13 +529,15 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         sampled: Mapping[Hashable, int | Sequence[int]] | Sequence[int | None],
+        num_drafts: Mapping[Hashable, int] | None = None,
     ) -> list[Request]:
         """Advance the step's requests and append their sampled tokens; return those finished.
 
         `sampled` maps request id -> token (or the tokens of fused decode steps, in order), or
         is one entry per row of `output.rows` (entries of rows that do not sample are ignored).
         Tokens after one that finishes the request are dropped. Requests aborted mid-step are
-        skipped.
+        skipped. `num_drafts`: the drafts each verify row proposed (its tokens are the accepted
+        ones plus one), for the adaptive speculation.
         """
         self._in_flight = False
         if not isinstance(sampled, Mapping):
@@ -497,6 +545,7 @@ class Scheduler:
             if len(sampled) != len(rows):
                 raise ValueError(f"{len(sampled)} sampled entries for {len(rows)} rows")
             sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
+        self._record_acceptance(output, sampled, num_drafts or {})
         self._donate(output, sampled)
         finished: list[Request] = []
         steps = [(c.request, c.end, c.samples) for c in output.prefill]
@@ -514,6 +563,16 @@ class Scheduler:
                 # meets a page twice.
                 self.allocator.release_tail(request.request_id, request.num_tokens)
         return finished
+
+    def stop(self, request: Request, num_output_tokens: int, reason: str = "stop") -> None:
+        """End `request` after its first `num_output_tokens` outputs (a stop string found on
+        the host): later tokens are dropped, pages and slot freed. A request that finished in
+        this step for another reason (its length, a stop token) takes this reason instead."""
+        del request.output_token_ids[num_output_tokens:]
+        if request.is_finished:
+            request.finish_reason = reason
+        else:
+            self._finish(request, reason)
 
     def fail_step(self, output: SchedulerOutput) -> list[Request]:
         """The step of `output` raised before `update` finished: end it. Every request of the
@@ -562,6 +621,25 @@ class Scheduler:
             else:
                 cache.insert(rid, sequence(rid, request)[:point], slot)
         cache.end_step(output.hits)
+
+    # ---- speculation ---------------------------------------------------------------------
+
+    def _max_drafts(self, request: Request, room: int) -> int:
+        # Penalised rows do not speculate: their counts would change inside the window.
+        if room <= 0 or request.params.has_penalty:
+            return 0
+        if request.spec_acceptance >= self.spec_min_acceptance:
+            return room
+        request.spec_skipped += 1
+        return room if request.spec_skipped % self.spec_probe_interval == 0 else 0
+
+    def _record_acceptance(self, output: SchedulerOutput, sampled, num_drafts) -> None:
+        """Each verify row's accepted share of its drafts into its acceptance EMA."""
+        for request in output.decode:
+            n = num_drafts.get(request.request_id, 0)
+            if n > 0:
+                rate = (len(sampled[request.request_id]) - 1) / n
+                request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
 
     def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:
         tokens = list(tokens) if isinstance(tokens, Sequence) else [tokens]
