@@ -315,9 +315,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # Time the jitted decode / verify calls (module globals of the runner) for the step split.
     timer = StepTimer()
-    verify_fn, decode_fn = runner_mod.verify_step, runner_mod._decode_steps
+    verify_fn, decode_fn = runner_mod.verify_step, runner_mod.decode_steps
     runner_mod.verify_step = timer.wrap(verify_fn, "device")
-    runner_mod._decode_steps = timer.wrap(decode_fn, "device")
+    runner_mod.decode_steps = timer.wrap(decode_fn, "device")
 
     top = max(batches)
     page_size = 16
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"  compiled memory B={b}: {time.perf_counter() - t0:.1f} s", flush=True)
             print(f"done: B={b} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
     finally:
-        runner_mod.verify_step, runner_mod._decode_steps = verify_fn, decode_fn
+        runner_mod.verify_step, runner_mod.decode_steps = verify_fn, decode_fn
 
     state_rows = state_memory_rows(
         {

@@ -16,11 +16,11 @@ Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True
 decode scan). A first chunk (`start == 0`) zeroes its state slot first, since the slot may hold
 a previous owner's state.
 
-Decode is `num_decode_steps` steps fused in one `lax.scan` (each step feeds back the token it
-picked) when the scheduler asks for more than one (`SchedulerOutput.decode_steps`, decode-only
-steps), else one step; the same compiled scan serves both counts' shapes per bucket.
+Decode is `num_decode_steps` steps fused in one `lax.scan` (`decode.decode_steps`, each step
+feeds back the token it picked) when the scheduler asks for more than one
+(`SchedulerOutput.decode_steps`, decode-only steps), else one step.
 
-Sampling runs on device in one of three static modes (`MODES`): an all-greedy batch is an
+Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
 so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /
 frequency penalty bring output-token counts and prompt masks [B, V] from the host; inside a
@@ -30,7 +30,6 @@ fused scan the counts advance on device. Logprobs (the sampled token and the top
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -40,10 +39,11 @@ import numpy as np
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, CacheLayout
-from kimi_linear_jax.model import HashedGraph, merge, prefill_step
+from kimi_linear_jax.model import HashedGraph, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, block_table_row
-from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
+from serving.decode import decode_steps, pick_jit
+from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
 from serving.scheduler import Placement, Request, SchedulerOutput
 from serving.speculative.verify import verify_step
 from serving.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
@@ -76,75 +76,6 @@ class StepResult(NamedTuple):
 
     samples: dict[Hashable, list[Sample]]
     num_drafts: dict[Hashable, int]
-
-
-# How a batch picks its tokens (static, so each mode compiles once per bucket): "greedy" is a
-# bare argmax; "sample" runs `sample` (any temperature, truncation, logprobs); "penalized" also
-# applies the repetition / presence / frequency penalties first.
-MODES = ("greedy", "sample", "penalized")
-
-
-def _pick(logits, sampling, counts, prompt_mask, mode):
-    """(tokens [B], logprob [B], top ids [B, N], top values [B, N]) from logits [B, V]."""
-    logits = logits.astype(jnp.float32)
-    if mode == "greedy":
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        zero = jnp.zeros(logits.shape[:1], jnp.float32)
-        return tokens, zero, tokens[:, None], zero[:, None]
-    if mode == "penalized":
-        logits = apply_penalties(logits, counts, prompt_mask, sampling)
-    tokens, chosen, (top_ids, top_values) = sample(logits, sampling)
-    return tokens, chosen, top_ids, top_values
-
-
-_pick_jit = jax.jit(_pick, static_argnames=("mode",))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "num_steps", "mode"), donate_argnames=("cache",)
-)
-def _decode_steps(
-    graphdef,
-    params,
-    ids,
-    cache,
-    batch,
-    steps_left,
-    sampling,
-    counts,
-    prompt_mask,
-    *,
-    num_steps,
-    mode,
-):
-    """`num_steps` decode steps in one `lax.scan`, each feeding back the token it picked.
-
-    Row b runs its first `steps_left[b]` steps; later ones have length 0, which writes no KV
-    and commits no KDA state, so a row may stop early inside the scan. The sampling step (the
-    PRNG stream position) and the penalty counts advance per step exactly as in single steps,
-    so fused and unfused decoding draw the same tokens.
-    """
-    model = merge(graphdef, params)
-    rows = jnp.arange(ids.shape[0])
-
-    def step(carry, i):
-        token, cache, counts = carry
-        active = (i < steps_left).astype(jnp.int32)
-        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
-        logits, cache = model.decode(token[:, None], cache, b)
-        picked = _pick(
-            logits[:, 0], sampling._replace(step=sampling.step + i), counts, prompt_mask, mode
-        )
-        counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
-        return (picked[0], cache, counts), picked
-
-    if num_steps == 1:
-        # One step without the loop: a scan's carry makes XLA copy every KDA slot pool.
-        (_, cache, _), picked = step((ids, cache, counts), jnp.int32(0))
-        return tuple(x[:, None] for x in picked), cache
-    (_, cache, _), picked = jax.lax.scan(step, (ids, cache, counts), jnp.arange(num_steps))
-    # [S, B, ...] -> [B, S, ...]
-    return tuple(jnp.swapaxes(x, 0, 1) for x in picked), cache
 
 
 def _mode(requests: Sequence[Request]) -> str:
@@ -334,7 +265,7 @@ class ModelRunner:
         if not live:
             return {}
         mode = _mode(live)
-        picked = _pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
+        picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
         picked = jax.device_get(tuple(x[:, None] for x in picked))  # one transfer
         return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
 
@@ -350,7 +281,7 @@ class ModelRunner:
         num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
-        picked, self.cache = _decode_steps(
+        picked, _, self.cache = decode_steps(
             self.graphdef,
             self.params,
             jnp.asarray(ids),
