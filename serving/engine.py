@@ -32,9 +32,10 @@ from kimi_linear_jax.parallel.rules import shard_model
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.prefix_cache import PrefixCache
+from serving.request import Request
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, is_int, resolve_seed
-from serving.scheduler import Request, Scheduler
+from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter

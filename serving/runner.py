@@ -43,8 +43,9 @@ from kimi_linear_jax.model import HashedGraph, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, block_table_row
 from serving.decode import decode_steps, pick_jit
+from serving.request import Request
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
-from serving.scheduler import Placement, Request, SchedulerOutput
+from serving.scheduler import Placement, SchedulerOutput
 from serving.speculative.verify import verify_step
 from serving.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
 
@@ -315,7 +316,8 @@ class ModelRunner:
         track_steps = np.full(b, -1, np.int32)
         for i, r in enumerate(requests):
             if r.request_id in output.track:
-                track_slots[i], track_steps[i], _ = output.track[r.request_id]
+                track_slots[i], tp = output.track[r.request_id]
+                track_steps[i] = tp.ith
         picked, self.cache = verify_step(
             self.graphdef,
             self.params,

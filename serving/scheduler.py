@@ -31,64 +31,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from serving.prefix_cache import branching_depth, checkpoint_depth
-from serving.speculative.track import track_point
+from serving.request import Request, RequestStatus
+from serving.speculative.track import TrackPoint, can_track, track_point
 
 if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their host methods
     from serving.allocator import PageAllocator
     from serving.prefix_cache import Hit, PrefixCache
-    from serving.sampling import SamplingParams
     from serving.state_pool import StatePool
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request; the scheduler owns its mutable fields once added."""
-
-    request_id: Hashable
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    # Tokens of all_token_ids whose KV and recurrent state are in the cache.
-    num_computed_tokens: int = 0
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
-    arrival: int = -1  # set by Scheduler.add
-    num_preemptions: int = 0
-    # Prefix caching: tokens skipped by the last admission's hit, and the depths where this
-    # prefill donates a recurrent-state checkpoint (a chunk ends at each).
-    num_cached_tokens: int = 0
-    donate_depths: tuple[int, ...] = ()
-    # Speculative decoding: recent draft acceptance (EMA) and verifies without drafts since.
-    spec_acceptance: float = 1.0
-    spec_skipped: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +105,8 @@ class SchedulerOutput:
     # step: copy request's slot -> checkpoint slot (a donation; `update` inserts the tree node).
     restores: list[tuple[int, Hashable]] = dataclasses.field(default_factory=list)
     snapshots: list[tuple[Hashable, int, int]] = dataclasses.field(default_factory=list)
-    # Speculative rows whose window crosses a track point: request id -> (slot, ith, point).
-    track: dict[Hashable, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    # Speculative rows whose window crosses a track point: request id -> (slot, track point).
+    track: dict[Hashable, tuple[int, TrackPoint]] = dataclasses.field(default_factory=dict)
     hits: list = dataclasses.field(default_factory=list)
 
     @property
@@ -463,7 +416,7 @@ class Scheduler:
         if tp.to_track:
             slot = self.prefix_cache.acquire_slot()
             if slot is not None:
-                out.track[request.request_id] = (slot, tp.ith, tp.point)
+                out.track[request.request_id] = (slot, tp)
 
     def _plan_donation_at(self, out: SchedulerOutput, request: Request, depth: int) -> None:
         slot = self.prefix_cache.acquire_slot()
@@ -583,7 +536,7 @@ class Scheduler:
         if cache is not None:
             for _, slot, _ in output.snapshots:
                 cache.release_slot(slot)
-            for slot, _, _ in output.track.values():
+            for slot, _ in output.track.values():
                 cache.release_slot(slot)
             cache.end_step(output.hits)
         failed = []
@@ -612,14 +565,14 @@ class Scheduler:
                 cache.release_slot(slot)
             else:
                 cache.insert(rid, sequence(rid, request)[:depth], slot)
-        for rid, (slot, ith, point) in output.track.items():
+        for rid, (slot, tp) in output.track.items():
             request = self.requests.get(rid)
             new = sampled.get(rid)
             commit_lens = len(new) if isinstance(new, Sequence) else 0
-            if request is None or request.is_finished or ith >= commit_lens:
+            if request is None or request.is_finished or not can_track(tp, commit_lens):
                 cache.release_slot(slot)
             else:
-                cache.insert(rid, sequence(rid, request)[:point], slot)
+                cache.insert(rid, sequence(rid, request)[: tp.point], slot)
         cache.end_step(output.hits)
 
     # ---- speculation ---------------------------------------------------------------------
