@@ -287,6 +287,27 @@ def test_update_accepts_dict_and_skips_non_sampling_rows():
     assert sched.update(out, {"r0": 12}) == [r] and r.finish_reason == "length"
 
 
+def test_stop_truncates_and_frees_a_running_or_just_finished_request():
+    """A stop string found on the host ends the request through the scheduler: the outputs
+    are cut at the stop, pages and slot come back; a request that finished in the same step
+    (here by length) only takes the new reason and length."""
+    sched = make(budget=8, chunk=8)
+    a, b = requests([(4, 10, 1), (4, 3, 2)])
+    for r in (a, b):
+        sched.add(r)
+    sched.update(sched.schedule(), {"r0": 5, "r1": 6})
+    sched.update(sched.schedule(), {"r0": 7, "r1": 8})
+    out = sched.schedule()
+    assert sched.update(out, {"r0": 9, "r1": 10}) == [b] and b.finish_reason == "length"
+    sched.stop(a, 2)
+    assert a.output_token_ids == [5, 7] and a.finish_reason == "stop" and a.is_finished
+    sched.stop(b, 1)
+    assert b.output_token_ids == [6] and b.finish_reason == "stop"
+    assert not sched.has_unfinished()
+    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+
+
 def test_validation_errors():
     sched = make(num_pages=5, page_size=4, mml=100)  # 4 usable pages = 16 tokens
     p = SamplingParams(max_tokens=4)
