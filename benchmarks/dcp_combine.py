@@ -14,7 +14,8 @@ strategies by work, not by what a GPU interconnect would give. Strategies:
 - ``ag_rs``: all-gather the lse, rescale, reduce-scatter o over heads, output head-sharded
   (``kimi_linear_jax.parallel.dcp.combine_ag_rs``, the model's default).
 - ``ag_lse+psum``: all-gather lse only, scale o_r by exp(lse_r - lse), all-reduce
-  (``kimi_linear_jax.parallel.dcp.combine_lse_psum``, the default of ``dcp_attention``).
+  (``kimi_linear_jax.parallel.dcp.combine_lse_psum``, the default of the tests'
+  ``dcp_attention``).
 
 Run from the repo root: ``python benchmarks/dcp_combine.py [--repeats 10] [--quick]`` (``--quick``:
 6 of the 15 configs, 5 repeats; what ``run_all.py`` runs).

@@ -67,7 +67,9 @@ from kimi_linear_jax.config import KimiLinearConfig, preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from serving.scheduler import Placement  # noqa: E402
 from serving.speculative.oracle import OracleDrafter  # noqa: E402
+from serving.state_pool import NULL_SLOT  # noqa: E402
 
 COLUMNS = [
     "config",
@@ -188,7 +190,7 @@ def compiled_memory(llm: LLM, b: int, k: int, verify_fn, decode_fn) -> dict:
     """XLA's memory analysis of the compiled verify step (window k + 1) and the plain decode
     step at batch b, with the runner's own parameters, cache and padded batch shapes."""
     r = llm.runner
-    batch = r._batch(*r._arrays(b))
+    _, batch = r._batch([Placement(NULL_SLOT, (), 0, 0)] * b)
     sampling, counts, mask = r._sampling_inputs([None] * b, b, "greedy")
     zeros = jnp.zeros(b, jnp.int32)
     verify = verify_fn.lower(
@@ -313,9 +315,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # Time the jitted decode / verify calls (module globals of the runner) for the step split.
     timer = StepTimer()
-    verify_fn, decode_fn = runner_mod.verify_step, runner_mod._decode_steps
+    verify_fn, decode_fn = runner_mod.verify_step, runner_mod.decode_steps
     runner_mod.verify_step = timer.wrap(verify_fn, "device")
-    runner_mod._decode_steps = timer.wrap(decode_fn, "device")
+    runner_mod.decode_steps = timer.wrap(decode_fn, "device")
 
     top = max(batches)
     page_size = 16
@@ -461,7 +463,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"  compiled memory B={b}: {time.perf_counter() - t0:.1f} s", flush=True)
             print(f"done: B={b} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
     finally:
-        runner_mod.verify_step, runner_mod._decode_steps = verify_fn, decode_fn
+        runner_mod.verify_step, runner_mod.decode_steps = verify_fn, decode_fn
 
     state_rows = state_memory_rows(
         {

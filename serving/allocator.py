@@ -16,13 +16,22 @@ gets pages from a request by `adopt` and gives them back with `release_tree_page
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from kimi_linear_jax.cache import CacheLayout
 
 NULL_PAGE = CacheLayout.NULL_PAGE
+
+
+def block_table_row(pages: Sequence[int], width: int) -> np.ndarray:
+    """A request's page ids padded with the null page to `width` (int32)."""
+    if len(pages) > width:
+        raise ValueError(f"{len(pages)} pages > block-table width {width}")
+    row = np.full(width, NULL_PAGE, np.int32)
+    row[: len(pages)] = pages
+    return row
 
 
 class OutOfPagesError(RuntimeError):
@@ -136,15 +145,6 @@ class PageAllocator:
 
     def pages(self, request_id: Hashable) -> list[int]:
         return list(self._pages_of(request_id))
-
-    def block_table_row(self, request_id: Hashable, width: int) -> np.ndarray:
-        """The request's page ids padded with the null page to `width` (int32)."""
-        pages = self._pages_of(request_id)
-        if len(pages) > width:
-            raise ValueError(f"request {request_id!r} holds {len(pages)} pages > width {width}")
-        row = np.full(width, NULL_PAGE, np.int32)
-        row[: len(pages)] = pages
-        return row
 
     def release_tail(self, request_id: Hashable, keep_tokens: int) -> list[int]:
         """Free the pages past those that `keep_tokens` tokens need; return the freed pages.

@@ -4,7 +4,8 @@ and the step API (`add_request`, `step`, `abort_request`) that a server loop dri
 Each request goes to a `Scheduler` (continuous batching, chunked prefill, preemption by
 recompute, fused decode steps); `step` runs `schedule -> ModelRunner.run -> update` once and
 applies the host-side rules: stop strings (the text is cut before the stop string, the token
-ids end with the token that completed it) and logprob bookkeeping.
+ids end with the token that completed it; the scheduler truncates and finishes the request,
+since only the scheduler changes a request) and logprob bookkeeping.
 
 Invalid input: `add_request` raises ValueError naming the field and the limit (empty prompt,
 token id outside the vocabulary, text without a tokenizer, prompt + max_tokens past
@@ -31,9 +32,10 @@ from kimi_linear_jax.parallel.rules import shard_model
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
 from serving.prefix_cache import PrefixCache
+from serving.request import Request
 from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, is_int, resolve_seed
-from serving.scheduler import Request, Scheduler
+from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter
@@ -218,7 +220,6 @@ class LLM:
             num_decode_steps=num_scheduler_steps,
             drafter=drafter,
             num_draft_tokens=k,
-            spec_min_acceptance=self.speculative.min_acceptance if self.speculative else 0.0,
         )
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)
@@ -235,6 +236,7 @@ class LLM:
             # Speculative rows reserve their whole window: the last token plus k drafts.
             num_decode_steps=k + 1 if self.speculative else num_scheduler_steps,
             speculative=self.speculative is not None,
+            spec_min_acceptance=self.speculative.min_acceptance if self.speculative else 0.0,
             prefix_cache=self.prefix_cache,
             track_interval=self.track_interval,
         )
@@ -392,9 +394,11 @@ class LLM:
 
     def _run_step(self, output, touched: list[str]) -> list[str]:
         """Run the scheduled step and apply its tokens; the ids of the requests it advanced."""
-        sampled = self.runner.run(output, self.allocator, self.state_pool)
+        result = self.runner.run(output)
+        sampled = result.samples
         before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
-        self.scheduler.update(output, {rid: [s.token for s in v] for rid, v in sampled.items()})
+        tokens = {rid: [s.token for s in v] for rid, v in sampled.items()}
+        self.scheduler.update(output, tokens, result.num_drafts)
         for rid, samples in sampled.items():
             self._record(rid, samples, before[rid])
         self._counters["preemptions"] += len(output.preempted)
@@ -420,7 +424,6 @@ class LLM:
         for request in failed:
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
-                request.finish_reason = "error"
                 tracked.error = message
         return [r.request_id for r in failed if r.request_id in self._tracked]
 
@@ -500,13 +503,11 @@ class LLM:
             if not hits:
                 continue
             pos, stop = min(hits)
-            del ids[n:]
+            self.scheduler.stop(request, n)
             if tracked.logprobs is not None:
                 del tracked.logprobs[n:]
                 tracked.cumulative_logprob = sum(d[t] for d, t in zip(tracked.logprobs, ids))
             tracked.text, tracked.stop_reason = text[:pos], stop
-            if self.scheduler.abort(request.request_id, "stop") is None:
-                request.finish_reason = "stop"  # it had just finished for another reason
             return
 
     def _make_request(self, prompt, params: SamplingParams, request_id: str | None) -> Request:

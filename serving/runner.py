@@ -16,11 +16,11 @@ Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True
 decode scan). A first chunk (`start == 0`) zeroes its state slot first, since the slot may hold
 a previous owner's state.
 
-Decode is `num_decode_steps` steps fused in one `lax.scan` (each step feeds back the token it
-picked) when the scheduler asks for more than one (`SchedulerOutput.decode_steps`, decode-only
-steps), else one step; the same compiled scan serves both counts' shapes per bucket.
+Decode is `num_decode_steps` steps fused in one `lax.scan` (`decode.decode_steps`, each step
+feeds back the token it picked) when the scheduler asks for more than one
+(`SchedulerOutput.decode_steps`, decode-only steps), else one step.
 
-Sampling runs on device in one of three static modes (`MODES`): an all-greedy batch is an
+Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
 so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /
 frequency penalty bring output-token counts and prompt masks [B, V] from the host; inside a
@@ -30,7 +30,6 @@ fused scan the counts advance on device. Logprobs (the sampled token and the top
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -40,13 +39,15 @@ import numpy as np
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, CacheLayout
-from kimi_linear_jax.model import HashedGraph, merge, prefill_step
+from kimi_linear_jax.model import HashedGraph, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
-from serving.allocator import NULL_PAGE, PageAllocator
-from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams, apply_penalties, sample
-from serving.scheduler import Request, SchedulerOutput
+from serving.allocator import NULL_PAGE, block_table_row
+from serving.decode import decode_steps, pick_jit
+from serving.request import Request
+from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
+from serving.scheduler import Placement, SchedulerOutput
 from serving.speculative.verify import verify_step
-from serving.state_pool import NULL_SLOT, StatePool, copy_slots, reset_cache_slots
+from serving.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -70,86 +71,20 @@ class Sample(NamedTuple):
     top: list[tuple[int, float]] | None = None
 
 
-# How a batch picks its tokens (static, so each mode compiles once per bucket): "greedy" is a
-# bare argmax; "sample" runs `sample` (any temperature, truncation, logprobs); "penalized" also
-# applies the repetition / presence / frequency penalties first.
-MODES = ("greedy", "sample", "penalized")
+class StepResult(NamedTuple):
+    """What a step measured, for the scheduler to apply: each sampling row's samples in
+    order, and the drafts each verify row proposed (it accepted len(samples) - 1)."""
 
-
-def _pick(logits, sampling, counts, prompt_mask, mode):
-    """(tokens [B], logprob [B], top ids [B, N], top values [B, N]) from logits [B, V]."""
-    logits = logits.astype(jnp.float32)
-    if mode == "greedy":
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        zero = jnp.zeros(logits.shape[:1], jnp.float32)
-        return tokens, zero, tokens[:, None], zero[:, None]
-    if mode == "penalized":
-        logits = apply_penalties(logits, counts, prompt_mask, sampling)
-    tokens, chosen, (top_ids, top_values) = sample(logits, sampling)
-    return tokens, chosen, top_ids, top_values
-
-
-_pick_jit = jax.jit(_pick, static_argnames=("mode",))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "num_steps", "mode"), donate_argnames=("cache",)
-)
-def _decode_steps(
-    graphdef,
-    params,
-    ids,
-    cache,
-    batch,
-    steps_left,
-    sampling,
-    counts,
-    prompt_mask,
-    *,
-    num_steps,
-    mode,
-):
-    """`num_steps` decode steps in one `lax.scan`, each feeding back the token it picked.
-
-    Row b runs its first `steps_left[b]` steps; later ones have length 0, which writes no KV
-    and commits no KDA state, so a row may stop early inside the scan. The sampling step (the
-    PRNG stream position) and the penalty counts advance per step exactly as in single steps,
-    so fused and unfused decoding draw the same tokens.
-    """
-    model = merge(graphdef, params)
-    rows = jnp.arange(ids.shape[0])
-
-    def step(carry, i):
-        token, cache, counts = carry
-        active = (i < steps_left).astype(jnp.int32)
-        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
-        logits, cache = model.decode(token[:, None], cache, b)
-        picked = _pick(
-            logits[:, 0], sampling._replace(step=sampling.step + i), counts, prompt_mask, mode
-        )
-        counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
-        return (picked[0], cache, counts), picked
-
-    if num_steps == 1:
-        # One step without the loop: a scan's carry makes XLA copy every KDA slot pool.
-        (_, cache, _), picked = step((ids, cache, counts), jnp.int32(0))
-        return tuple(x[:, None] for x in picked), cache
-    (_, cache, _), picked = jax.lax.scan(step, (ids, cache, counts), jnp.arange(num_steps))
-    # [S, B, ...] -> [B, S, ...]
-    return tuple(jnp.swapaxes(x, 0, 1) for x in picked), cache
+    samples: dict[Hashable, list[Sample]]
+    num_drafts: dict[Hashable, int]
 
 
 def _mode(requests: Sequence[Request]) -> str:
-    if any(_has_penalty(r) for r in requests):
+    if any(r.params.has_penalty for r in requests):
         return "penalized"
     if any(r.params.temperature >= GREEDY_EPS or r.params.logprobs is not None for r in requests):
         return "sample"
     return "greedy"
-
-
-def _has_penalty(request: Request) -> bool:
-    p = request.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _samples(picked, requests: Sequence[Request | None], mode: str) -> list[list[Sample]]:
@@ -183,8 +118,6 @@ class ModelRunner:
         num_decode_steps: int = 1,
         drafter=None,
         num_draft_tokens: int = 0,
-        spec_min_acceptance: float = 0.0,
-        spec_probe_interval: int = 16,
     ) -> None:
         if not batch_buckets or not token_buckets:
             raise ValueError("batch_buckets and token_buckets must not be empty")
@@ -195,12 +128,6 @@ class ModelRunner:
         # decided once, from the model's declared capability.
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
-        # Adaptive speculation: a request whose recent acceptance (an EMA) is below this stops
-        # proposing (its window is one token) except one probe every `spec_probe_interval`
-        # verifies. A verify window costs several decode steps on a CPU, so drafts that keep
-        # failing are a loss. 0 turns it off.
-        self.spec_min_acceptance = spec_min_acceptance
-        self.spec_probe_interval = spec_probe_interval
         self.commit_recurrent = model.has_recurrent_state
         self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
         self.config = model.config
@@ -213,7 +140,6 @@ class ModelRunner:
             raise ValueError(f"layout dcp_size {layout.dcp_size} != model's {model.par.dcp}")
         self.layout = layout
         self.max_pages_per_seq = max_pages_per_seq or (layout.num_pages - 1)
-        self._width = self.max_pages_per_seq
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
         self._new_cache = lambda: init_cache(
@@ -239,32 +165,29 @@ class ModelRunner:
 
     # ---- host-side batch building ----------------------------------------------------------
 
-    def _table(self, allocator: PageAllocator, rid: Hashable) -> np.ndarray:
-        return allocator.block_table_row(rid, self._width)
-
-    def _set_width(self, allocator: PageAllocator, rids) -> None:
+    def _width(self, placements: Sequence[Placement]) -> int:
         """The step's block-table width (see the module docstring)."""
-        need = max(len(allocator.pages(rid)) for rid in rids)
+        need = max(len(p.pages) for p in placements)
         width = MIN_TABLE_WIDTH
         while width < need:
             width *= 2
-        self._width = min(width, self.max_pages_per_seq)
+        return min(width, self.max_pages_per_seq)
 
-    def _batch(self, slots, table, start, lengths) -> Batch:
-        return Batch(
-            slots=jnp.asarray(slots),
-            block_table=jnp.asarray(table),
-            start=jnp.asarray(start),
-            lengths=jnp.asarray(lengths),
-        )
-
-    def _arrays(self, b: int):
-        return (
-            np.full(b, NULL_SLOT, np.int32),
-            np.full((b, self._width), NULL_PAGE, np.int32),
-            np.zeros(b, np.int32),
-            np.zeros(b, np.int32),
-        )
+    def _batch(self, placements: Sequence[Placement]) -> tuple[int, Batch]:
+        """(bucket size, Batch) of the rows `placements`, padded with null rows."""
+        b = bucket(len(placements), self.batch_buckets)
+        width = self._width(placements)
+        slots = np.full(b, NULL_SLOT, np.int32)
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        start = np.zeros(b, np.int32)
+        lengths = np.zeros(b, np.int32)
+        for i, p in enumerate(placements):
+            slots[i] = p.slot
+            table[i] = block_table_row(p.pages, width)
+            start[i] = p.start
+            lengths[i] = p.length
+        arrays = (slots, table, start, lengths)
+        return b, Batch(*(jnp.asarray(a) for a in arrays))
 
     def _sampling_inputs(self, requests: Sequence[Request | None], b: int, mode: str):
         """SamplingBatch and penalty inputs for rows `requests` (None: a padding or non-sampling
@@ -287,26 +210,22 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def run(
-        self,
-        output: SchedulerOutput,
-        allocator: PageAllocator,
-        state_pool: StatePool,
-    ) -> dict[Hashable, list[Sample]]:
-        """Run one scheduled step; return the samples of each row that samples (one for a
-        prefill's last chunk, up to `output.decode_steps[i]` for a decode)."""
-        sampled: dict[Hashable, list[Sample]] = {}
+    def run(self, output: SchedulerOutput) -> StepResult:
+        """Run one scheduled step from `output` alone: the samples of each row that samples
+        (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode) and
+        the drafts each verify row proposed."""
+        result = StepResult({}, {})
         # Prefix-cache hits: the checkpoint is copied into the request's slot before its chunk.
-        self._copy([(src, state_pool.slot(rid)) for src, rid in output.restores])
+        self._copy(output.restore_copies)
         if output.prefill:
-            sampled.update(self._prefill(output, allocator, state_pool))
+            result.samples.update(self._prefill(output))
         if output.decode and self.drafter is not None:
-            sampled.update(self._verify(output, allocator, state_pool))
+            self._verify(output, result)
         elif output.decode:
-            sampled.update(self._decode(output, allocator, state_pool))
+            result.samples.update(self._decode(output))
         # Donations: the request's slot now holds the state at the snapshot depth.
-        self._copy([(state_pool.slot(rid), dst) for rid, dst, _ in output.snapshots])
-        return sampled
+        self._copy(output.snapshot_copies)
+        return result
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -316,27 +235,21 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.copy_slots(pairs, width)
 
-    def _prefill(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
+    def _prefill(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
         chunks = output.prefill
-        self._set_width(allocator, [c.request.request_id for c in chunks])
-        b = bucket(len(chunks), self.batch_buckets)
+        placements = [output.placement[c.request.request_id] for c in chunks]
+        b, batch = self._batch(placements)
         t = bucket(max(c.length for c in chunks), self.token_buckets)
-        slots, table, start, lengths = self._arrays(b)
         ids = np.zeros((b, t), np.int32)
         fresh = np.full(b, NULL_SLOT, np.int32)
-        for i, c in enumerate(chunks):
-            rid = c.request.request_id
-            slots[i] = state_pool.slot(rid)
-            table[i] = self._table(allocator, rid)
-            start[i] = c.start
-            lengths[i] = c.length
+        for i, (c, p) in enumerate(zip(chunks, placements, strict=True)):
             ids[i, : c.length] = c.token_ids
             if c.is_first:
-                fresh[i] = slots[i]
+                fresh[i] = p.slot
         if fresh.any():
             self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh))
         has_prefix = any(c.start > 0 for c in chunks)
-        ids, batch = jnp.asarray(ids), self._batch(slots, table, start, lengths)
+        ids = jnp.asarray(ids)
         logits, self.cache = prefill_step(
             self.graphdef,
             self.params,
@@ -353,35 +266,28 @@ class ModelRunner:
         if not live:
             return {}
         mode = _mode(live)
-        picked = _pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
+        picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
         picked = jax.device_get(tuple(x[:, None] for x in picked))  # one transfer
         return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
 
-    def _decode(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
+    def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
         requests = output.decode
-        self._set_width(allocator, [r.request_id for r in requests])
-        b = bucket(len(requests), self.batch_buckets)
-        slots, table, start, lengths = self._arrays(b)
+        b, batch = self._batch([output.placement[r.request_id] for r in requests])
         ids = np.zeros(b, np.int32)
         steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
-            rid = r.request_id
-            slots[i] = state_pool.slot(rid)
-            table[i] = self._table(allocator, rid)
-            start[i] = r.num_computed_tokens
-            lengths[i] = 1
             ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = output.decode_steps[i]
         # Two compiled step counts only: 1 and the configured fusion depth.
         num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
-        picked, self.cache = _decode_steps(
+        picked, _, self.cache = decode_steps(
             self.graphdef,
             self.params,
             jnp.asarray(ids),
             self.cache,
-            self._batch(slots, table, start, lengths),
+            batch,
             jnp.asarray(steps_left),
             *self._sampling_inputs(rows, b, mode),
             num_steps=num_steps,
@@ -393,39 +299,15 @@ class ModelRunner:
             for i, (r, row) in enumerate(zip(requests, samples, strict=True))
         }
 
-    def _max_drafts(self, request: Request, room: int) -> int:
-        # Penalised rows do not speculate: their counts would change inside the window.
-        if room <= 0 or _has_penalty(request):
-            return 0
-        if request.spec_acceptance >= self.spec_min_acceptance:
-            return room
-        request.spec_skipped += 1
-        return room if request.spec_skipped % self.spec_probe_interval == 0 else 0
-
-    def _update_acceptance(self, requests, num: np.ndarray, commit_lens: np.ndarray) -> None:
-        for i, r in enumerate(requests):
-            if num[i] > 0:
-                rate = (int(commit_lens[i]) - 1) / int(num[i])
-                r.spec_acceptance = 0.7 * r.spec_acceptance + 0.3 * rate
-
-    def _verify(self, output, allocator, state_pool) -> dict[Hashable, list[Sample]]:
+    def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""
         requests = output.decode
-        self._set_width(allocator, [r.request_id for r in requests])
-        b = bucket(len(requests), self.batch_buckets)
-        slots, table, start, lengths = self._arrays(b)
+        b, batch = self._batch([output.placement[r.request_id] for r in requests])
         last = np.zeros(b, np.int32)
-        max_drafts = []
         for i, r in enumerate(requests):
-            slots[i] = state_pool.slot(r.request_id)
-            table[i] = self._table(allocator, r.request_id)
-            start[i] = r.num_computed_tokens
-            lengths[i] = 1
             last[i] = r.all_token_ids[-1]
-            max_drafts.append(self._max_drafts(r, output.decode_steps[i] - 1))
-        batch = self._batch(slots, table, start, lengths)
         k = self.num_draft_tokens
-        drafts, num = self.drafter.propose(requests, max_drafts, batch, k)
+        drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k)
         if not np.asarray(num).any():
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
         mode = _mode(requests)
@@ -434,7 +316,8 @@ class ModelRunner:
         track_steps = np.full(b, -1, np.int32)
         for i, r in enumerate(requests):
             if r.request_id in output.track:
-                track_slots[i], track_steps[i], _ = output.track[r.request_id]
+                track_slots[i], tp = output.track[r.request_id]
+                track_steps[i] = tp.ith
         picked, self.cache = verify_step(
             self.graphdef,
             self.params,
@@ -453,14 +336,12 @@ class ModelRunner:
         tokens, commit_lens, *logprobs = picked
         self.drafter.rollback(batch.slots, commit_lens)
         host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
-        commit_lens = np.asarray(host[0])
+        commit_lens, num = np.asarray(host[0]), np.asarray(num)
         samples = _samples(host[1:], rows, mode)
         n = len(requests)
-        self.spec_counts["draft_tokens"] += int(np.asarray(num)[:n].sum())
+        self.spec_counts["draft_tokens"] += int(num[:n].sum())
         self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
         self.spec_counts["verify_rows"] += n
-        self._update_acceptance(requests, np.asarray(num), commit_lens)
-        return {
-            r.request_id: row[: commit_lens[i]]
-            for i, (r, row) in enumerate(zip(requests, samples, strict=True))
-        }
+        for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
+            result.samples[r.request_id] = row[: commit_lens[i]]
+            result.num_drafts[r.request_id] = int(num[i])

@@ -57,6 +57,15 @@ class SamplingParams:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
+    @property
+    def has_penalty(self) -> bool:
+        """A repetition, presence or frequency penalty: the row needs its token counts."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first field of a wrong type or outside its limit. The
         one check every entry point uses (offline API, CLI, JSONL lines, HTTP): no coercion,
@@ -285,8 +294,25 @@ def sample(
     drawn = jnp.take_along_axis(order, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
     tokens = jnp.where(greedy, greedy_tokens, drawn)
 
+    chosen, top_ids, top_values = token_logprobs(logits, tokens, num_top_logprobs)
+    return tokens, chosen, (top_ids, top_values)
+
+
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, num_top: int = MAX_LOGPROBS
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen logprob [...], top ids [..., N] int32, top values [..., N]) of tokens [...]
+    under logits [..., V] f32, N = min(num_top, V) (static): the log_softmax of the logits as
+    passed in (see `sample`). The one logprob tail of every step that samples."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
     # A toy vocabulary smaller than N would make top_k fail at trace time.
-    top_values, top_ids = jax.lax.top_k(logprobs, min(num_top_logprobs, logits.shape[-1]))
-    return tokens, chosen, (top_ids.astype(jnp.int32), top_values)
+    top_values, top_ids = jax.lax.top_k(logprobs, min(num_top, logits.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_values
+
+
+def no_logprobs(tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_logprobs`' outputs for an all-greedy batch, which reports none: zeros and N = 1
+    (the tokens), so the step's outputs keep one structure."""
+    zero = jnp.zeros(tokens.shape, jnp.float32)
+    return zero, tokens[..., None], zero[..., None]

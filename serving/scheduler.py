@@ -31,64 +31,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from serving.prefix_cache import branching_depth, checkpoint_depth
-from serving.speculative.track import track_point
+from serving.request import Request, RequestStatus
+from serving.speculative.track import TrackPoint, can_track, track_point
 
 if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their host methods
     from serving.allocator import PageAllocator
     from serving.prefix_cache import Hit, PrefixCache
-    from serving.sampling import SamplingParams
     from serving.state_pool import StatePool
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request; the scheduler owns its mutable fields once added."""
-
-    request_id: Hashable
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    # Tokens of all_token_ids whose KV and recurrent state are in the cache.
-    num_computed_tokens: int = 0
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
-    arrival: int = -1  # set by Scheduler.add
-    num_preemptions: int = 0
-    # Prefix caching: tokens skipped by the last admission's hit, and the depths where this
-    # prefill donates a recurrent-state checkpoint (a chunk ends at each).
-    num_cached_tokens: int = 0
-    donate_depths: tuple[int, ...] = ()
-    # Speculative decoding: recent draft acceptance (EMA) and verifies without drafts since.
-    spec_acceptance: float = 1.0
-    spec_skipped: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +71,25 @@ class PrefillChunk:
         return self.request.all_token_ids[self.start : self.end]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one row of a step lives, as the scheduler fixed it: compute `length` tokens from
+    position `start` (a decode: 1 token a step) with the recurrent state in state slot `slot`
+    and the KV in `pages` (the request's pages in token order; the runner pads them to its
+    block-table width with the null page). The runner needs no allocator or pool."""
+
+    slot: int
+    pages: tuple[int, ...]
+    start: int
+    length: int
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
-    """One step. Rows are `prefill` chunks then `decode` requests, in that order.
+    """One step. Rows are `prefill` chunks then `decode` requests, in that order; `placement`
+    maps each row's request id to its slot, pages, start and length.
 
     A decode computes token `num_tokens - 1` at position `num_computed_tokens` and samples.
-    Slots come from `StatePool.slot(request_id)`, block-table rows from
-    `PageAllocator.block_table_row(request_id, width)`.
     """
 
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
@@ -132,13 +97,16 @@ class SchedulerOutput:
     # Per decode row: fused decode steps to run (pages are allocated for them). All 1 when the
     # step also has prefill chunks: fusion runs only in decode-only steps.
     decode_steps: list[int] = dataclasses.field(default_factory=list)
+    # Speculative steps, per decode row: the most drafts it may propose (0: a plain decode).
+    max_drafts: list[int] = dataclasses.field(default_factory=list)
+    placement: dict[Hashable, Placement] = dataclasses.field(default_factory=dict)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
     # Prefix caching. Before the step: copy checkpoint slot -> request's slot (a hit). After the
     # step: copy request's slot -> checkpoint slot (a donation; `update` inserts the tree node).
     restores: list[tuple[int, Hashable]] = dataclasses.field(default_factory=list)
     snapshots: list[tuple[Hashable, int, int]] = dataclasses.field(default_factory=list)
-    # Speculative rows whose window crosses a track point: request id -> (slot, ith, point).
-    track: dict[Hashable, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    # Speculative rows whose window crosses a track point: request id -> (slot, track point).
+    track: dict[Hashable, tuple[int, TrackPoint]] = dataclasses.field(default_factory=dict)
     hits: list = dataclasses.field(default_factory=list)
 
     @property
@@ -152,6 +120,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def restore_copies(self) -> list[tuple[int, int]]:
+        """(checkpoint slot, request slot) pairs to copy before the step."""
+        return [(src, self.placement[rid].slot) for src, rid in self.restores]
+
+    @property
+    def snapshot_copies(self) -> list[tuple[int, int]]:
+        """(request slot, checkpoint slot) pairs to copy after the step."""
+        return [(self.placement[rid].slot, dst) for rid, dst, _ in self.snapshots]
 
 
 class Scheduler:
@@ -169,6 +147,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         num_decode_steps: int = 1,
         speculative: bool = False,
+        spec_min_acceptance: float = 0.0,
+        spec_probe_interval: int = 16,
         prefix_cache: PrefixCache | None = None,
         track_interval: int | None = None,
     ) -> None:
@@ -192,6 +172,12 @@ class Scheduler:
         # Speculative: decode_steps is each row's verify window (1 + drafts), reserved before
         # the verify; what was not accepted is released after it (`update`).
         self.speculative = speculative
+        # Adaptive speculation: a request whose recent acceptance (an EMA) is below this stops
+        # proposing (its window is one token) except one probe every `spec_probe_interval`
+        # verifies. A verify window costs several decode steps on a CPU, so drafts that keep
+        # failing are a loss. 0 turns it off.
+        self.spec_min_acceptance = spec_min_acceptance
+        self.spec_probe_interval = spec_probe_interval
         self.prefix_cache = prefix_cache
         self.track_interval = track_interval if prefix_cache is not None else None
         self.requests: dict[Hashable, Request] = {}  # every unfinished request
@@ -255,7 +241,7 @@ class Scheduler:
 
     def abort(self, request_id: Hashable, reason: str = "abort") -> Request | None:
         """Finish the request (pages and slot freed) with `reason`; None if unknown or already
-        finished. The engine also uses it for stop strings, found on the host."""
+        finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -276,8 +262,19 @@ class Scheduler:
         self._admit(out, budget)
         if out.prefill and not self.speculative:
             out.decode_steps = [1] * len(out.decode)
+        self._place(out)
         self._in_flight = not out.is_empty
         return out
+
+    def _place(self, out: SchedulerOutput) -> None:
+        """Fix each row's slot and pages once every row is scheduled (no row of a step loses
+        or gains pages after its own scheduling, but reading them last says so plainly)."""
+        rows = [(c.request, c.start, c.length) for c in out.prefill]
+        rows += [(r, r.num_computed_tokens, 1) for r in out.decode]
+        for request, start, length in rows:
+            rid = request.request_id
+            pages = tuple(self.allocator.pages(rid))
+            out.placement[rid] = Placement(self.state_pool.slot(rid), pages, start, length)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, *, decodes: bool) -> int:
         for request in list(self.running):
@@ -303,6 +300,8 @@ class Scheduler:
                 budget -= 1  # the budget counts rows of work, not the fused lookahead
                 out.decode.append(request)
                 out.decode_steps.append(length)
+                if self.speculative:
+                    out.max_drafts.append(self._max_drafts(request, length - 1))
                 self._plan_track(out, request, length)
             else:
                 budget -= length
@@ -417,7 +416,7 @@ class Scheduler:
         if tp.to_track:
             slot = self.prefix_cache.acquire_slot()
             if slot is not None:
-                out.track[request.request_id] = (slot, tp.ith, tp.point)
+                out.track[request.request_id] = (slot, tp)
 
     def _plan_donation_at(self, out: SchedulerOutput, request: Request, depth: int) -> None:
         slot = self.prefix_cache.acquire_slot()
@@ -483,13 +482,15 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         sampled: Mapping[Hashable, int | Sequence[int]] | Sequence[int | None],
+        num_drafts: Mapping[Hashable, int] | None = None,
     ) -> list[Request]:
         """Advance the step's requests and append their sampled tokens; return those finished.
 
         `sampled` maps request id -> token (or the tokens of fused decode steps, in order), or
         is one entry per row of `output.rows` (entries of rows that do not sample are ignored).
         Tokens after one that finishes the request are dropped. Requests aborted mid-step are
-        skipped.
+        skipped. `num_drafts`: the drafts each verify row proposed (its tokens are the accepted
+        ones plus one), for the adaptive speculation.
         """
         self._in_flight = False
         if not isinstance(sampled, Mapping):
@@ -497,6 +498,7 @@ class Scheduler:
             if len(sampled) != len(rows):
                 raise ValueError(f"{len(sampled)} sampled entries for {len(rows)} rows")
             sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
+        self._record_acceptance(output, sampled, num_drafts or {})
         self._donate(output, sampled)
         finished: list[Request] = []
         steps = [(c.request, c.end, c.samples) for c in output.prefill]
@@ -515,6 +517,16 @@ class Scheduler:
                 self.allocator.release_tail(request.request_id, request.num_tokens)
         return finished
 
+    def stop(self, request: Request, num_output_tokens: int, reason: str = "stop") -> None:
+        """End `request` after its first `num_output_tokens` outputs (a stop string found on
+        the host): later tokens are dropped, pages and slot freed. A request that finished in
+        this step for another reason (its length, a stop token) takes this reason instead."""
+        del request.output_token_ids[num_output_tokens:]
+        if request.is_finished:
+            request.finish_reason = reason
+        else:
+            self._finish(request, reason)
+
     def fail_step(self, output: SchedulerOutput) -> list[Request]:
         """The step of `output` raised before `update` finished: end it. Every request of the
         step finishes with reason "error" (pages and slot freed), the checkpoint slots it
@@ -524,7 +536,7 @@ class Scheduler:
         if cache is not None:
             for _, slot, _ in output.snapshots:
                 cache.release_slot(slot)
-            for slot, _, _ in output.track.values():
+            for slot, _ in output.track.values():
                 cache.release_slot(slot)
             cache.end_step(output.hits)
         failed = []
@@ -553,15 +565,34 @@ class Scheduler:
                 cache.release_slot(slot)
             else:
                 cache.insert(rid, sequence(rid, request)[:depth], slot)
-        for rid, (slot, ith, point) in output.track.items():
+        for rid, (slot, tp) in output.track.items():
             request = self.requests.get(rid)
             new = sampled.get(rid)
             commit_lens = len(new) if isinstance(new, Sequence) else 0
-            if request is None or request.is_finished or ith >= commit_lens:
+            if request is None or request.is_finished or not can_track(tp, commit_lens):
                 cache.release_slot(slot)
             else:
-                cache.insert(rid, sequence(rid, request)[:point], slot)
+                cache.insert(rid, sequence(rid, request)[: tp.point], slot)
         cache.end_step(output.hits)
+
+    # ---- speculation ---------------------------------------------------------------------
+
+    def _max_drafts(self, request: Request, room: int) -> int:
+        # Penalised rows do not speculate: their counts would change inside the window.
+        if room <= 0 or request.params.has_penalty:
+            return 0
+        if request.spec_acceptance >= self.spec_min_acceptance:
+            return room
+        request.spec_skipped += 1
+        return room if request.spec_skipped % self.spec_probe_interval == 0 else 0
+
+    def _record_acceptance(self, output: SchedulerOutput, sampled, num_drafts) -> None:
+        """Each verify row's accepted share of its drafts into its acceptance EMA."""
+        for request in output.decode:
+            n = num_drafts.get(request.request_id, 0)
+            if n > 0:
+                rate = (len(sampled[request.request_id]) - 1) / n
+                request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
 
     def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:
         tokens = list(tokens) if isinstance(tokens, Sequence) else [tokens]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_linear_jax.cache import CacheLayout, KDAState
+from kimi_linear_jax.layers.block import state_rows
 
 NULL_SLOT = CacheLayout.NULL_SLOT
 KDAStates = tuple[KDAState, ...]
@@ -71,33 +72,20 @@ def reset_slots(kda_states: KDAStates, slots: jax.Array) -> KDAStates:
     return jax.tree.map(lambda x: x.at[slots].set(0), kda_states)
 
 
-def copy_slot(kda_states: KDAStates, src, dst) -> KDAStates:
-    """Every layer's state of slot `src` copied into slot `dst` (prefix-cache copy-on-write)."""
-    return jax.tree.map(lambda x: x.at[dst].set(x[src]), kda_states)
-
-
-def gather_slot(kda_states: KDAStates, slot) -> KDAStates:
-    """Every layer's state of `slot`, each array with a leading 1 (to save a preempted request).
-
-    `jax.device_get` of the result moves it to host; `scatter_slot` brings it back.
-    """
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), kda_states)
-
-
-def scatter_slot(kda_states: KDAStates, saved: KDAStates, slot) -> KDAStates:
-    """Write `saved` (from `gather_slot`, leading 1) into `slot` of every layer."""
-
-    def put(x, s):
-        return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(s, x.dtype), slot, axis=0)
-
-    return jax.tree.map(put, kda_states, saved)
+def copy_rows(kda_states: KDAStates, src: jax.Array, dst: jax.Array) -> KDAStates:
+    """Every layer's state of slots src[i] copied into slots dst[i] (prefix-cache restores
+    and snapshots, copy on write)."""
+    return tuple(
+        KDAState(*(a.at[dst].set(r) for a, r in zip(s, state_rows(s, src), strict=True)))
+        for s in kda_states
+    )
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy_slots(cache, src, dst):
-    """KDA state and conv windows of slots src[i] -> dst[i] (prefix-cache restores and
-    snapshots). Padding pairs copy the null slot onto itself."""
-    return cache._replace(kda=jax.tree.map(lambda x: x.at[dst].set(x[src]), cache.kda))
+    """`copy_rows` on a ModelCache, cache donated. Padding pairs copy the null slot onto
+    itself."""
+    return cache._replace(kda=copy_rows(cache.kda, src, dst))
 
 
 def copy_slots(cache, pairs: Sequence[tuple[int, int]], width: int):

@@ -18,31 +18,11 @@ import numpy as np
 from flax import nnx
 
 from kimi_linear_jax.cache import CacheLayout
-from kimi_linear_jax.model import HashedGraph, commit_kda, merge, prefill_step
+from kimi_linear_jax.model import HashedGraph, commit_kda, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
+from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
 from serving.state_pool import copy_slots, reset_cache_slots
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnames=("cache",))
-def draft_steps(graphdef, params, last, cache, batch, steps_left, *, num_steps):
-    """Greedy decode of `num_steps` steps from `last` [B]; row b runs steps_left[b] of them.
-    Returns (tokens [B, num_steps], per-step KDA states [B, num_steps, ...] per layer, cache)."""
-    model = merge(graphdef, params)
-
-    def step(carry, i):
-        token, cache = carry
-        active = (i < steps_left).astype(jnp.int32)
-        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
-        logits, cache, per_step = model.verify(token[:, None], cache, b)
-        cache = commit_kda(cache, per_step, b.slots, b.lengths)
-        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return (token, cache), (token, per_step)
-
-    (_, cache), (tokens, per_step) = jax.lax.scan(step, (last, cache), jnp.arange(num_steps))
-    # Leaves [S, B, 1, ...] -> [B, S, ...], the layout `commit_kda` reads.
-    per_step = jax.tree.map(lambda x: jnp.swapaxes(x[:, :, 0], 0, 1), per_step)
-    return tokens.T, per_step, cache
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -92,7 +72,7 @@ class DraftModelDrafter(Drafter):
             last[i] = request.all_token_ids[-1]
             num[i] = n
             steps[i] = n + 1
-        tokens, self._per_step, self.cache = draft_steps(
+        (tokens, *_), self._per_step, self.cache = decode_steps(
             self.graphdef,
             self.params,
             jnp.asarray(last),
@@ -100,6 +80,7 @@ class DraftModelDrafter(Drafter):
             batch,
             jnp.asarray(steps),
             num_steps=k + 1,
+            keep_states=True,
         )
         return tokens[:, :k], num
 

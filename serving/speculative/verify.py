@@ -32,9 +32,14 @@ from kimi_linear_jax.cache import KDAState, ModelCache
 from kimi_linear_jax.layers.block import scatter_rows, state_rows
 from kimi_linear_jax.layers.kda import commit, replay
 from kimi_linear_jax.model import commit_kda, merge
-from serving.sampling import SamplingBatch, apply_penalties, row_keys, truncation_mask
-
-NUM_TOP_LOGPROBS = 20
+from serving.sampling import (
+    SamplingBatch,
+    apply_penalties,
+    no_logprobs,
+    row_keys,
+    token_logprobs,
+    truncation_mask,
+)
 
 # The verify's KDA commit -> what the window pass keeps for it (`layers.kda.decode`).
 COMMITS = {"replay": "inputs", "gather": "states"}
@@ -186,9 +191,5 @@ def verify_step(
         if track:
             cache = _write_track(cache, rows, track_slots, track_steps, commit_lens)
     if mode == "greedy":
-        zero = jnp.zeros(tokens.shape, jnp.float32)
-        return (tokens, commit_lens, zero, tokens[..., None], zero[..., None]), cache
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-    top_values, top_ids = jax.lax.top_k(logp, min(NUM_TOP_LOGPROBS, logp.shape[-1]))
-    return (tokens, commit_lens, chosen, top_ids.astype(jnp.int32), top_values), cache
+        return (tokens, commit_lens, *no_logprobs(tokens)), cache
+    return (tokens, commit_lens, *token_logprobs(logits, tokens)), cache

@@ -17,8 +17,9 @@ from kimi_linear_jax.ops import mla as mla_ops
 from kimi_linear_jax.parallel import dcp
 from kimi_linear_jax.parallel.mesh import shard_map
 from tests.helpers import assert_close
+from tests.kernels import dcp_helpers as harness
 
-_dcp_write = jax.jit(dcp.dcp_write_latents, static_argnums=5)
+_dcp_write = jax.jit(harness.dcp_write_latents, static_argnums=5)
 _plain_write = jax.jit(mla_ops.write_latents)
 _reference = jax.jit(mla_ops.mla_paged_attention_reference, static_argnames="sm_scale")
 
@@ -54,12 +55,14 @@ def test_layout_ownership(c):
     mesh, page_size, num_pages, D = _mesh(c), 3, 5, 2
     vps = page_size * c
     i = np.arange(vps)
-    np.testing.assert_array_equal(dcp.from_dcp_layout(dcp.to_dcp_layout(i, page_size, c), 3, c), i)
+    np.testing.assert_array_equal(
+        harness.from_dcp_layout(harness.to_dcp_layout(i, page_size, c), 3, c), i
+    )
     # Sequence 0 owns virtual pages 3, 0, 4 (in that order); its token p carries p + 1.
     table = jnp.asarray([[3, 0, 4]], jnp.int32)
     n = 3 * vps
     rows = np.broadcast_to((np.arange(n, dtype=np.float32) + 1)[None, :, None], (1, n, D))
-    cache = jax.device_put(np.zeros((num_pages, vps, D), np.float32), dcp.cache_sharding(mesh))
+    cache = jax.device_put(np.zeros((num_pages, vps, D), np.float32), harness.cache_sharding(mesh))
     cache = _dcp_write(cache, rows, table, np.zeros(1, np.int32), np.asarray([n], np.int32), mesh)
     shards = cache.addressable_shards
     assert len(shards) == c
@@ -73,9 +76,9 @@ def test_layout_ownership(c):
             expect = k * vps + np.arange(page_size) * c + r + 1  # slot j holds j*c + r
             np.testing.assert_array_equal(data[page, :, 0], expect)
     # The plain (position-ordered) view of the same cache is the single-device layout.
-    plain = np.asarray(dcp.cache_from_dcp_layout(np.asarray(cache), c))
+    plain = np.asarray(harness.cache_from_dcp_layout(np.asarray(cache), c))
     np.testing.assert_array_equal(plain[[3, 0, 4], :, 0].reshape(-1), np.arange(n) + 1)
-    np.testing.assert_array_equal(dcp.cache_to_dcp_layout(plain, c), np.asarray(cache))
+    np.testing.assert_array_equal(harness.cache_to_dcp_layout(plain, c), np.asarray(cache))
 
 
 def test_local_len_matches_brute_force():
@@ -83,12 +86,12 @@ def test_local_len_matches_brute_force():
     for c in range(1, 9):
         for r in range(c):
             brute = np.array([np.sum(np.arange(max(k, 0)) % c == r) for k in n])
-            np.testing.assert_array_equal(dcp.local_len_np(n, r, c), brute)
+            np.testing.assert_array_equal(harness.local_len_np(n, r, c), brute)
             np.testing.assert_array_equal(np.asarray(dcp.local_len(jnp.asarray(n), r, c)), brute)
         # Vectorised over ranks too, and the ranks partition the prefix.
         ranks = np.arange(c)[:, None]
         both = np.asarray(dcp.local_len(jnp.asarray(n)[None], jnp.asarray(ranks), c))
-        np.testing.assert_array_equal(both, dcp.local_len_np(n[None], ranks, c))
+        np.testing.assert_array_equal(both, harness.local_len_np(n[None], ranks, c))
         np.testing.assert_array_equal(both.sum(0), np.maximum(n, 0))
 
 
@@ -205,7 +208,7 @@ def _setup(c, ctx, T, H, L, R, dtype, *, page_size=4, seed=0, mesh=None):
     table = rng.permutation(num_pages)[: B * n_pages].reshape(B, n_pages).astype(np.int32)
     garbage = rng.uniform(-30, 30, (num_pages, vps, L + R)).astype(jnp.dtype(dtype))
     plain = jnp.asarray(garbage)
-    cache = jax.device_put(dcp.cache_to_dcp_layout(garbage, c), dcp.cache_sharding(mesh))
+    cache = jax.device_put(harness.cache_to_dcp_layout(garbage, c), harness.cache_sharding(mesh))
     n_rows = max(int(ctx.max()), 1)
     rows = rng.standard_normal((B, n_rows, L + R)).astype(np.float32)
     prefix = np.maximum(ctx - T, 0)
@@ -217,7 +220,7 @@ def _setup(c, ctx, T, H, L, R, dtype, *, page_size=4, seed=0, mesh=None):
         cache = _dcp_write(cache, *args, mesh)
         plain = _plain_write(plain, *args)
     np.testing.assert_array_equal(
-        np.asarray(dcp.cache_from_dcp_layout(np.asarray(cache), c)), np.asarray(plain)
+        np.asarray(harness.cache_from_dcp_layout(np.asarray(cache), c)), np.asarray(plain)
     )
     q_lat = jnp.asarray(rng.standard_normal((B, T, H, L)).astype(np.float32))
     q_pe = jnp.asarray(rng.standard_normal((B, T, H, R)).astype(np.float32))
@@ -228,7 +231,7 @@ def _setup(c, ctx, T, H, L, R, dtype, *, page_size=4, seed=0, mesh=None):
 def _attn(mesh, sm_scale, with_local, combine="lse_psum"):
     @jax.jit
     def run(q_lat, q_pe, cache, table, kv_lens, local_kv_lens):
-        return dcp.dcp_attention(
+        return harness.dcp_attention(
             q_lat,
             q_pe,
             cache,
@@ -260,13 +263,13 @@ CASES = [
 
 def _case_id(case):
     c, mode, nd, _, H, L, R, dt = case
-    return f"c{c}-{mode}-T{dcp.num_query_tokens(mode, nd)}-H{H}-L{L}-R{R}-{jnp.dtype(dt).name}"
+    return f"c{c}-{mode}-T{harness.num_query_tokens(mode, nd)}-H{H}-L{L}-R{R}-{jnp.dtype(dt).name}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(k) for k in CASES])
 def test_write_and_attention_match_single_device(case):
     c, mode, num_draft, ctx, H, L, R, dtype = case
-    meta = dcp.dcp_metadata(mode, ctx, num_draft, c)
+    meta = harness.dcp_metadata(mode, ctx, num_draft, c)
     T = meta.num_tokens
     mesh, q_lat, q_pe, cache, table, plain = _setup(c, ctx, T, H, L, R, dtype)
     sm_scale = (L + R) ** -0.5
@@ -286,7 +289,7 @@ def test_explicit_axis_mesh():
     """jax.make_mesh gives explicit axes in jax 0.10: inputs are resharded to the in_specs."""
     c, ctx, H, L, R = 2, [0, 1, 6, 13], 3, 32, 8
     mesh = jax.make_mesh((c,), ("dcp",))
-    meta = dcp.dcp_metadata("decode", ctx, 0, c)
+    meta = harness.dcp_metadata("decode", ctx, 0, c)
     mesh, q_lat, q_pe, cache, table, plain = _setup(c, ctx, 1, H, L, R, jnp.float32, mesh=mesh)
     o_ref, lse_ref = _reference(q_lat, q_pe, plain, table, meta.kv_lens, sm_scale=0.1)
     o, lse = _attn(mesh, 0.1, True)(q_lat, q_pe, cache, table, meta.kv_lens, meta.local_kv_lens)
@@ -299,19 +302,19 @@ def test_explicit_axis_mesh():
 def test_metadata_decode_adds_no_draft_tokens():
     ctx = np.array([0, 1, 5, 9, 64])
     for num_draft in (0, 3, 7):
-        meta = dcp.dcp_metadata(dcp.ForwardMode.DECODE, ctx, num_draft, 4)
+        meta = harness.dcp_metadata(harness.ForwardMode.DECODE, ctx, num_draft, 4)
         assert meta.num_tokens == 1
         np.testing.assert_array_equal(meta.kv_lens, ctx[:, None])
         assert meta.local_kv_lens.shape == (4, 5, 1)
         np.testing.assert_array_equal(meta.local_kv_lens.sum(0), meta.kv_lens)
         np.testing.assert_array_equal(meta.local_kv_lens[:, :, 0].T[1], [1, 0, 0, 0])
         np.testing.assert_array_equal(meta.local_kv_lens[:, :, 0].T[2], [2, 1, 1, 1])
-    assert dcp.dcp_metadata("decode", ctx, 3, 4).kv_lens.shape == (5, 1)
+    assert harness.dcp_metadata("decode", ctx, 3, 4).kv_lens.shape == (5, 1)
 
 
 def test_metadata_target_verify_splits_window():
     c, num_draft = 4, 3
-    meta = dcp.dcp_metadata(dcp.ForwardMode.TARGET_VERIFY, [10, 2, 0], num_draft, c)
+    meta = harness.dcp_metadata(harness.ForwardMode.TARGET_VERIFY, [10, 2, 0], num_draft, c)
     assert meta.num_tokens == 4
     np.testing.assert_array_equal(meta.kv_lens, [[7, 8, 9, 10], [0, 0, 1, 2], [0, 0, 0, 0]])
     # [rank, row t] for ctx = 10: keys 0..6, 0..7, 0..8, 0..9 split round-robin.
@@ -331,10 +334,10 @@ def test_wrong_verify_local_length_is_wrong():
     + t, r) is. The wrong one must give outputs far from the single-device reference."""
     c, num_draft, H, L, R = 4, 7, 3, 64, 16
     ctx = [10, 13, 30, 37]
-    meta = dcp.dcp_metadata("target_verify", ctx, num_draft, c)
+    meta = harness.dcp_metadata("target_verify", ctx, num_draft, c)
     T = meta.num_tokens
     ranks, t = np.arange(c)[:, None, None], np.arange(T)[None, None, :]
-    wrong = dcp.local_len_np(np.asarray(ctx)[None, :, None], ranks, c) - (T - 1 - t)
+    wrong = harness.local_len_np(np.asarray(ctx)[None, :, None], ranks, c) - (T - 1 - t)
     assert np.any(np.maximum(wrong, 0) != meta.local_kv_lens)
     mesh, q_lat, q_pe, cache, table, plain = _setup(c, ctx, T, H, L, R, jnp.float32, seed=3)
     sm_scale = (L + R) ** -0.5

@@ -18,7 +18,7 @@ from kimi_linear_jax.cache import contiguous_batch, init_cache
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import HashedGraph, decode_step, prefill_step
 from kimi_linear_jax.testing import random_model
-from serving.runner import _decode_steps
+from serving.decode import decode_steps
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.speculative.verify import verify_step
 
@@ -58,7 +58,7 @@ def test_decode_step_copies_no_pool(parts):
 def test_fused_decode_copies_no_pool(parts, num_steps):
     graphdef, params, cache, batch, sampling = parts
     zeros = jnp.zeros((1, 1), jnp.int32)
-    lowered = _decode_steps.lower(
+    lowered = decode_steps.lower(
         graphdef,
         params,
         jnp.ones(1, jnp.int32),

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.allocator import NULL_PAGE, PageAllocator
+from serving.allocator import NULL_PAGE, PageAllocator, block_table_row
 from serving.sampling import SamplingParams
 from serving.scheduler import PrefillChunk, Request, RequestStatus, Scheduler, SchedulerOutput
 from serving.state_pool import NULL_SLOT, StatePool
@@ -49,17 +49,23 @@ class FakeRunner:
         self.slot_state: dict[int, list[int]] = {}
         self.kv: dict[int, list[int | None]] = {}
 
-    def _compute(self, request: Request, start: int, length: int, fresh: bool) -> int | None:
+    def _compute(
+        self, out: SchedulerOutput, request: Request, start: int, length: int, fresh: bool
+    ) -> int | None:
         alloc, tpp = self.sched.allocator, self.sched.allocator.tokens_per_page
-        slot = self.sched.state_pool.slot(request.request_id)
-        assert slot != NULL_SLOT
+        # A runner reads only the placement: the pool's slot and the allocator's pages.
+        placed = out.placement[request.request_id]
+        slot = placed.slot
+        assert slot == self.sched.state_pool.slot(request.request_id) and slot != NULL_SLOT
+        assert list(placed.pages) == alloc.pages(request.request_id)
+        assert (placed.start, placed.length) == (start, length)
         if fresh:
             self.slot_state[slot] = []
         state = self.slot_state[slot]
         assert len(state) == start == request.num_computed_tokens
         tokens = request.all_token_ids[start : start + length]
         state.extend(tokens)
-        row = alloc.block_table_row(request.request_id, alloc.pages_for(start + length))
+        row = block_table_row(placed.pages, alloc.pages_for(start + length))
         for pos, tok in zip(range(start, start + length), tokens, strict=True):
             page = int(row[pos // tpp])
             assert page != NULL_PAGE
@@ -71,8 +77,10 @@ class FakeRunner:
         return next_token(state)
 
     def step(self, out: SchedulerOutput) -> list[int | None]:
-        sampled = [self._compute(c.request, c.start, c.length, c.is_first) for c in out.prefill]
-        sampled += [self._compute(r, r.num_tokens - 1, 1, False) for r in out.decode]
+        sampled = [
+            self._compute(out, c.request, c.start, c.length, c.is_first) for c in out.prefill
+        ]
+        sampled += [self._compute(out, r, r.num_tokens - 1, 1, False) for r in out.decode]
         return sampled
 
 
@@ -279,6 +287,27 @@ def test_update_accepts_dict_and_skips_non_sampling_rows():
     assert sched.update(out, {"r0": 12}) == [r] and r.finish_reason == "length"
 
 
+def test_stop_truncates_and_frees_a_running_or_just_finished_request():
+    """A stop string found on the host ends the request through the scheduler: the outputs
+    are cut at the stop, pages and slot come back; a request that finished in the same step
+    (here by length) only takes the new reason and length."""
+    sched = make(budget=8, chunk=8)
+    a, b = requests([(4, 10, 1), (4, 3, 2)])
+    for r in (a, b):
+        sched.add(r)
+    sched.update(sched.schedule(), {"r0": 5, "r1": 6})
+    sched.update(sched.schedule(), {"r0": 7, "r1": 8})
+    out = sched.schedule()
+    assert sched.update(out, {"r0": 9, "r1": 10}) == [b] and b.finish_reason == "length"
+    sched.stop(a, 2)
+    assert a.output_token_ids == [5, 7] and a.finish_reason == "stop" and a.is_finished
+    sched.stop(b, 1)
+    assert b.output_token_ids == [6] and b.finish_reason == "stop"
+    assert not sched.has_unfinished()
+    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+
+
 def test_validation_errors():
     sched = make(num_pages=5, page_size=4, mml=100)  # 4 usable pages = 16 tokens
     p = SamplingParams(max_tokens=4)
@@ -354,7 +383,9 @@ def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
         }
         for r, n in zip(out.decode, out.decode_steps, strict=True):
             assert 1 <= n <= min(4, r.params.max_tokens - len(r.output_token_ids))
-            row = sched.allocator.block_table_row(r.request_id, 64)
+            pages = out.placement[r.request_id].pages
+            assert list(pages) == sched.allocator.pages(r.request_id)
+            row = block_table_row(pages, 64)
             seq, tokens = list(r.all_token_ids), []
             for j in range(n):
                 assert row[(r.num_tokens - 1 + j) // tpp] != NULL_PAGE

@@ -7,15 +7,8 @@ import pytest
 
 from kimi_linear_jax.cache import KDAState, init_kda_state
 from kimi_linear_jax.config import preset
-from serving.state_pool import (
-    NULL_SLOT,
-    OutOfSlotsError,
-    StatePool,
-    copy_slot,
-    gather_slot,
-    reset_slots,
-    scatter_slot,
-)
+from kimi_linear_jax.layers.block import state_rows
+from serving.state_pool import NULL_SLOT, OutOfSlotsError, StatePool, copy_rows, reset_slots
 
 NUM_SLOTS = 6
 SENTINEL = -7.25  # exactly representable: untouched slots must come back bit-identical
@@ -80,10 +73,24 @@ def test_reset_slots_zeroes_targets_only():
     _assert_untouched(out, states, targets)
 
 
-def test_copy_slot_copies_every_layer_and_field():
+def gather_slot(states, slot):
+    """Every layer's state of `slot`, each array with a leading 1 (what saving a preempted
+    request's state to host would keep; the engine recomputes instead)."""
+    return tuple(state_rows(s, jnp.asarray([slot])) for s in states)
+
+
+def scatter_slot(states, saved, slot):
+    """Write `saved` (from `gather_slot`) into `slot` of every layer."""
+    return tuple(
+        KDAState(*(a.at[slot].set(jnp.asarray(r[0], a.dtype)) for a, r in zip(s, v, strict=True)))
+        for s, v in zip(states, saved, strict=True)
+    )
+
+
+def test_copy_rows_copies_every_layer_and_field():
     src, dst = 1, 3
     states = _poisoned(_states(), [src, dst])
-    out = jax.jit(copy_slot)(states, src, dst)
+    out = jax.jit(copy_rows)(states, jnp.array([src]), jnp.array([dst]))
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(states), strict=True):
         np.testing.assert_array_equal(np.asarray(a)[dst], np.asarray(b)[src])
         np.testing.assert_array_equal(np.asarray(a)[src], np.asarray(b)[src])

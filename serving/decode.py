@@ -1,0 +1,97 @@
+"""The jitted multi-step decode, shared by the runner (the target model, any sampling mode) and
+the draft model (greedy, keeping the state after each step for its rollback).
+
+Each step feeds back the token it picked. Tokens are picked on device in one of three static
+modes (`MODES`), so each mode compiles once per bucket: "greedy" is a bare argmax; "sample"
+runs `sampling.sample` (any temperature, truncation, logprobs); "penalized" also applies the
+repetition / presence / frequency penalties first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kimi_linear_jax.model import commit_kda, merge
+from serving.sampling import apply_penalties, no_logprobs, sample
+
+MODES = ("greedy", "sample", "penalized")
+
+
+def pick(logits, sampling, counts, prompt_mask, mode):
+    """(tokens [B], logprob [B], top ids [B, N], top values [B, N]) from logits [B, V].
+    Greedy mode reads neither `sampling` nor the penalty inputs (they may be None)."""
+    logits = logits.astype(jnp.float32)
+    if mode == "greedy":
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, *no_logprobs(tokens)
+    if mode == "penalized":
+        logits = apply_penalties(logits, counts, prompt_mask, sampling)
+    tokens, chosen, (top_ids, top_values) = sample(logits, sampling)
+    return tokens, chosen, top_ids, top_values
+
+
+pick_jit = jax.jit(pick, static_argnames=("mode",))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "num_steps", "mode", "keep_states"),
+    donate_argnames=("cache",),
+)
+def decode_steps(
+    graphdef,
+    params,
+    ids,
+    cache,
+    batch,
+    steps_left,
+    sampling=None,
+    counts=None,
+    prompt_mask=None,
+    *,
+    num_steps,
+    mode="greedy",
+    keep_states=False,
+):
+    """`num_steps` decode steps from ids [B], each feeding back the token it picked.
+
+    Row b runs its first `steps_left[b]` steps; later ones have length 0, which writes no KV
+    and commits no KDA state, so a row may stop early. The sampling step (the PRNG stream
+    position) and the penalty counts advance per step exactly as in single steps, so fused
+    and unfused decoding draw the same tokens.
+
+    Returns (picked, states, cache): picked is `pick`'s four arrays with a step axis
+    ([B, S, ...]); states, with `keep_states`, the KDA states after every step per layer
+    ([B, S, ...], what `commit_kda` picks from to roll back), else None.
+    """
+    model = merge(graphdef, params)
+    rows = jnp.arange(ids.shape[0])
+
+    def step(carry, i):
+        token, cache, counts = carry
+        active = (i < steps_left).astype(jnp.int32)
+        b = batch._replace(start=batch.start + i, lengths=batch.lengths * active)
+        if keep_states:
+            logits, cache, states = model.verify(token[:, None], cache, b)
+            cache = commit_kda(cache, states, b.slots, b.lengths, after=logits)
+        else:
+            (logits, cache), states = model.decode(token[:, None], cache, b), None
+        at_i = None if mode == "greedy" else sampling._replace(step=sampling.step + i)
+        picked = pick(logits[:, 0], at_i, counts, prompt_mask, mode)
+        counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
+        return (picked[0], cache, counts), (picked, states)
+
+    if num_steps == 1:
+        # One step without the loop: a scan's carry makes XLA copy every KDA slot pool.
+        (_, cache, _), (picked, states) = step((ids, cache, counts), jnp.int32(0))
+        # The window's per-step states already have a step axis of 1.
+        return tuple(x[:, None] for x in picked), states, cache
+    (_, cache, _), (picked, states) = jax.lax.scan(
+        step, (ids, cache, counts), jnp.arange(num_steps)
+    )
+    # [S, B, ...] -> [B, S, ...]; each step's states are [B, 1, ...] windows.
+    states = jax.tree.map(lambda x: jnp.swapaxes(x[:, :, 0], 0, 1), states)
+    return tuple(jnp.swapaxes(x, 0, 1) for x in picked), states, cache

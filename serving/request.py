@@ -1,0 +1,61 @@
+"""A generation request: its tokens and the scheduler's bookkeeping of it.
+
+Only the scheduler changes a request once it is added (nano-vllm's `Sequence`): the engine and
+the runner read it, the runner reports what it measured and the scheduler's `update` applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # sampling imports JAX; a request only holds its parameters
+    from serving.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request; the scheduler owns its mutable fields once added."""
+
+    request_id: Hashable
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens of all_token_ids whose KV and recurrent state are in the cache.
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    arrival: int = -1  # set by Scheduler.add
+    num_preemptions: int = 0
+    # Prefix caching: tokens skipped by the last admission's hit, and the depths where this
+    # prefill donates a recurrent-state checkpoint (a chunk ends at each).
+    num_cached_tokens: int = 0
+    donate_depths: tuple[int, ...] = ()
+    # Speculative decoding: recent draft acceptance (EMA) and verifies without drafts since.
+    spec_acceptance: float = 1.0
+    spec_skipped: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
