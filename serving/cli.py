@@ -181,11 +181,19 @@ def sampling_from_args(args):
     return params
 
 
+class _Stderr(logging.Handler):
+    """Writes to the sys.stderr of the moment (a StreamHandler keeps the stream it was given,
+    which a test's capture may have closed since)."""
+
+    def emit(self, record) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
 def _show_engine_log() -> None:
     """The engine's start-up line (its memory plan) on stderr; stdout stays the results."""
     log = logging.getLogger("kimi_linear_jax.engine")
-    if not log.handlers:
-        log.addHandler(logging.StreamHandler(sys.stderr))
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
         log.setLevel(logging.INFO)
 
 
