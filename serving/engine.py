@@ -194,6 +194,8 @@ class LLM:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
             )
+        if not isinstance(state_memory_ratio, int | float) or not 0 < state_memory_ratio < 1e9:
+            raise ValueError(f"state_memory_ratio must be a number > 0, got {state_memory_ratio!r}")
         if device_memory is not None:
             parse_bytes(device_memory)  # a bad size fails before the load
         # Option errors before the (possibly slow) model load; the parallel plan is checked

@@ -192,9 +192,13 @@ class _Costs:
     fixed_slots: int  # the null slot and any fixed number of checkpoint slots
     buckets: tuple[int, ...]
 
+    def step_buffers(self, seqs: int) -> int:
+        """The decode step's row buffers for `seqs` sequences (padded to a row bucket)."""
+        return padded_rows(seqs, self.buckets) * self.row if seqs else 0
+
     def state(self, seqs: int) -> int:
-        rows = padded_rows(seqs, self.buckets) if seqs else 0
-        return self.fixed_slots * self.slot + seqs * self.seq + rows * self.row
+        """What `seqs` sequences take of the state share, their step buffers included."""
+        return self.fixed_slots * self.slot + seqs * self.seq + self.step_buffers(seqs)
 
 
 def plan_memory(
@@ -232,9 +236,7 @@ def plan_memory(
     validate(config, tp, dcp, num_devices=tp)
     max_model_len = config.model_max_length if max_model_len is None else max_model_len
     _check_counts(max_model_len, page_size, max_num_seqs, num_checkpoint_slots, num_draft_tokens)
-    _check_fractions(gpu_memory_utilization, state_memory_ratio, max_num_batched_tokens)
-    if attention not in ("kernel", "reference", "interpret"):
-        raise ValueError(f"attention must be 'kernel' or 'reference', got {attention!r}")
+    _check_options(gpu_memory_utilization, state_memory_ratio, max_num_batched_tokens, attention)
     if activation_bytes is not None and max_num_seqs is None:
         raise ValueError("activation_bytes (measured) needs the max_num_seqs it was measured at")
     item = jnp.dtype(dtype).itemsize
@@ -250,11 +252,13 @@ def plan_memory(
         )
     measured = activation_bytes is not None
     context = max_model_len if attention == "reference" else 0
-    window = num_draft_tokens + 1
-    row = 0 if measured else step_bytes_per_row(config, tp, dcp, item, window, context)
     if not measured:
         activation_bytes = prefill_bytes(config, tp, dcp, max_num_batched_tokens, item, context)
+    row = (
+        0 if measured else step_bytes_per_row(config, tp, dcp, item, num_draft_tokens + 1, context)
+    )
     state = state_bytes_per_slot(config, tp, item)
+    # Checkpoint slots: 2 per sequence by default, or a fixed count; none without the cache.
     per_seq = CHECKPOINT_SLOTS_PER_SEQ if num_checkpoint_slots is None else 0
     fixed_ckpt = num_checkpoint_slots or 0
     if not enable_prefix_caching:
@@ -269,20 +273,19 @@ def plan_memory(
     )
     rest = budget - weights_bytes - activation_bytes
     cap = MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
-    if rest <= 0:
+    if rest > 0:
+        seqs, pages, reason = _split(
+            rest, costs, cap, max_model_len, page_size * dcp, state_memory_ratio
+        )
+    else:
         seqs, pages = 0, 0
         reason = (
             f"weights {_size(weights_bytes)} + activation {_size(activation_bytes)} per device "
             f"exceed the budget {_size(budget)} (device memory x {gpu_memory_utilization}); use "
             "more devices (tensor_parallel_size) or larger ones"
         )
-    else:
-        seqs, pages, reason = _split(
-            rest, costs, cap, max_model_len, page_size * dcp, state_memory_ratio
-        )
-    fits = reason is None
-    ckpt = seqs * per_seq + fixed_ckpt if fits else 0
-    slots = 1 + seqs + ckpt if fits else 0
+    ckpt = seqs * per_seq + fixed_ckpt if reason is None else 0
+    slots = 1 + seqs + ckpt if reason is None else 0
     return MemoryPlan(
         tensor_parallel_size=tp,
         dcp_size=dcp,
@@ -291,7 +294,7 @@ def plan_memory(
         gpu_memory_utilization=gpu_memory_utilization,
         budget_bytes=budget,
         weights_bytes_per_device=weights_bytes,
-        activation_bytes=activation_bytes + (padded_rows(seqs, batch_buckets) * row if seqs else 0),
+        activation_bytes=activation_bytes + costs.step_buffers(seqs),
         activation_method="compiled" if measured else "estimate",
         kv_bytes_per_token_per_device=kv_bytes_per_token(config, dcp, item),
         state_bytes_per_slot_per_device=state,
@@ -307,11 +310,11 @@ def plan_memory(
         max_model_len=max_model_len,
         num_pages=pages,
         num_state_slots=slots,
-        max_num_seqs=seqs if fits else 0,
+        max_num_seqs=seqs,
         num_checkpoint_slots=ckpt,
         max_tokens_in_cache=max(pages - 1, 0) * page_size * dcp,
         cache_bytes_per_device=pages * costs.page + slots * costs.slot,
-        fits=fits,
+        fits=reason is None,
         reason=reason,
     )
 
@@ -380,8 +383,12 @@ def _check_counts(max_model_len, page_size, max_num_seqs, num_checkpoint_slots, 
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _check_fractions(utilization, ratio, tokens) -> None:
-    if not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+def _check_options(utilization, ratio, tokens, attention) -> None:
+    if attention not in ("kernel", "reference", "interpret"):
+        raise ValueError(f"attention must be kernel, reference or interpret, got {attention!r}")
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float):
+        raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+    if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
     if not isinstance(ratio, int | float) or not ratio > 0 or not math.isfinite(ratio):
         raise ValueError(f"state_memory_ratio must be a finite number > 0, got {ratio!r}")
