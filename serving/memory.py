@@ -8,9 +8,10 @@ caller's `device_memory=`), `parallel.plan.plan_memory` sizes the pools from:
 - the activation peak of the largest compiled steps, measured without running them: the
   model's prefill at the largest prefill bucket and its decode (the verify window when
   speculating) at the planned rows, compiled ahead of time, `compiled.memory_analysis()`'s
-  temporaries plus the outputs that are not donated buffers. The prefill is compiled with the
-  runner's own arguments, so its compilation is reused, not repeated. Sampling's [rows, vocab]
-  buffers come on top (`footprint.step_bytes_per_row`'s share).
+  temporaries plus the outputs that are not donated buffers. The prefill is lowered with the
+  runner's own arguments, so a step of that shape later reuses the compilation. Sampling's
+  [rows, vocab] buffers are added from the estimate (`footprint.SAMPLING_BYTES_PER_VOCAB`):
+  they belong to the runner's step, not the model's.
 
 Two passes: the estimate decides the rows, the steps are compiled at those rows, and the pools
 are sized again from the measured peak with the rows as the cap. Otherwise (nothing known)
