@@ -2,10 +2,10 @@
 
 Three sections (``--only`` picks some):
 
-- ``memory``: the release's shapes (``kimi-linear-48b-a3b``, bf16), abstract (nothing is
-  allocated): parameter bytes per device from the sharding rules, KDA state per sequence and
-  MLA latent per token per device, and what fits after the weights on 1 x 141 GB (tp 1),
-  4 x 80 GB (tp 4, dcp 4) and 8 x 80 GB (tp 8, dcp 8).
+- ``memory``: the memory planner (``kimi_linear_jax.parallel.plan``, as ``kimi-linear-jax
+  plan``) on the release's shapes (``kimi-linear-48b-a3b``, bf16, fp32 KDA state), abstract
+  (nothing is allocated): weights, activation estimate, latent per token and state per slot
+  per device, and the pages, tokens and sequences that fit on 80 GB and 141 GB devices.
 - ``collectives``: bytes each device sends per decode step for one MLA layer (query all-gather,
   DCP combine, o_proj all-reduce) and one MoE layer (one all-reduce), for both combines, at
   tp 8 / dcp 8 on the release's shapes, from ring-algorithm formulas. The same formulas are
@@ -43,60 +43,62 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kimi_linear_jax.cache import contiguous_batch  # noqa: E402
 from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.model import decode_step  # noqa: E402
-from kimi_linear_jax.parallel.mesh import make_parallel, validate  # noqa: E402
-from kimi_linear_jax.parallel.rules import (  # noqa: E402
-    init_cache,
-    param_bytes_per_device,
-    shard_model,
-)
+from kimi_linear_jax.parallel.mesh import make_parallel  # noqa: E402
+from kimi_linear_jax.parallel.plan import plan_memory  # noqa: E402
+from kimi_linear_jax.parallel.rules import init_cache, shard_model  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
 RELEASE = "kimi-linear-48b-a3b"
-# (name, devices, GB per device, tp, dcp)
-SETUPS = [("1 x 141 GB", 1, 141, 1, 1), ("4 x 80 GB", 4, 80, 4, 4), ("8 x 80 GB", 8, 80, 8, 8)]
+# (name, GB per device, tp, dcp, draft tokens)
+SETUPS = [
+    ("1 x 80 GB", 80, 1, 1, 0),
+    ("1 x 141 GB", 141, 1, 1, 0),
+    ("4 x 80 GB", 80, 4, 4, 0),
+    ("8 x 80 GB", 80, 8, 1, 0),
+    ("8 x 80 GB", 80, 8, 8, 0),
+    ("8 x 80 GB", 80, 8, 8, 4),
+    ("8 x 141 GB", 141, 8, 1, 0),
+    ("8 x 141 GB", 141, 8, 8, 0),
+]
 UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
-RESERVE = 4 * GiB  # assumed activation / workspace peak per device (vLLM profiles it)
 CONTEXT = 131072
 
 
 # ---- memory ------------------------------------------------------------------------------------
 
 
-def state_bytes_per_sequence(config, tp: int) -> int:
-    """KDA state S (fp32) and the three conv windows (bf16) of one sequence, per device."""
-    H, d, W = config.linear_num_heads, config.linear_head_dim, config.short_conv_kernel_size
-    per_layer = (H // tp) * d * d * 4 + 3 * (W - 1) * (config.kda_dim // tp) * 2
-    return len(config.kda_layer_ids) * per_layer
-
-
-def latent_bytes_per_token(config, dcp: int) -> float:
-    return len(config.mla_layer_ids) * config.latent_dim * 2 / dcp
-
-
 def memory_rows() -> list[dict]:
+    """The library's planner (`kimi_linear_jax.parallel.plan`) on each setup."""
     cfg = preset(RELEASE)
     rows = []
-    for name, _, gb, tp, dcp in SETUPS:
-        validate(cfg, tp, dcp, num_devices=tp)
-        per_dev, total = param_bytes_per_device(cfg, tp, dcp)
-        state = state_bytes_per_sequence(cfg, tp)
-        latent = latent_bytes_per_token(cfg, dcp)
-        free = gb * GB * UTILIZATION - per_dev - RESERVE
-        per_seq = state + CONTEXT * latent
+    for name, gb, tp, dcp, k in SETUPS:
+        p = plan_memory(
+            cfg,
+            device_memory=int(gb * GB),
+            tensor_parallel_size=tp,
+            dcp_size=dcp,
+            gpu_memory_utilization=UTILIZATION,
+            max_model_len=CONTEXT,
+            num_draft_tokens=k,
+        )
         rows.append(
             dict(
                 setup=name,
                 tp=tp,
                 dcp=dcp,
-                params_GB_total=total / GB,
-                params_GB_per_device=per_dev / GB,
-                fits=free > 0,
-                free_GB_per_device=free / GB,
-                state_MiB_per_seq=state / MiB,
-                latent_B_per_token=latent,
-                seqs_at_128k=max(0, int(free // per_seq)),
-                latent_Mtokens_if_64_seqs=max(0.0, (free - 64 * state) / latent / 1e6),
+                draft_tokens=k,
+                weights_GB=p.weights_bytes_per_device / GB,
+                activation_GB=p.activation_bytes / GB,
+                latent_B_per_token=p.kv_bytes_per_token_per_device,
+                state_MiB_per_slot=p.state_bytes_per_slot_per_device / MiB,
+                pages=p.num_pages,
+                tokens_M=p.max_tokens_in_cache / 1e6,
+                seqs_at_128k=p.max_tokens_in_cache // CONTEXT,
+                max_num_seqs=p.max_num_seqs,
+                state_slots=p.num_state_slots,
+                fits=p.fits,
+                reason=p.reason or "",
             )
         )
     return rows
@@ -295,8 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "memory" in sections:
         out["memory"] = memory_rows()
         print(
-            f"Release shapes, bf16; budget = {UTILIZATION} x memory - weights - "
-            f"{RESERVE / GiB:.0f} GiB reserve; sequences of {CONTEXT} tokens"
+            f"Release shapes, bf16 (KDA state fp32), the planner's pools: budget = "
+            f"{UTILIZATION} x memory; max_model_len {CONTEXT}"
         )
         print_table(out["memory"], list(out["memory"][0]))
         print()

@@ -91,12 +91,37 @@ def _slots(state: nnx.State) -> list[_Slot]:
 def resolve_dtype(dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
         return jnp.dtype(_DTYPES[dtype])
     d = jnp.dtype(dtype)
     if d not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype: expected bfloat16 or float32, got {d}")
     return d
+
+
+# The dtype "auto" takes for a checkpoint's torch_dtype. float16 runs as bfloat16 (same width;
+# the model takes bfloat16 or float32 only); a config without torch_dtype was saved in float32
+# (transformers' default).
+_AUTO = {"bfloat16": "bfloat16", "float16": "bfloat16", "float32": "float32", None: "float32"}
+
+
+def auto_dtype(path: str | os.PathLike | None) -> str:
+    """What `dtype="auto"` means: the checkpoint's `torch_dtype` ("bfloat16" for the release),
+    "float32" for the built-in model (`path=None`). The KDA state is fp32 either way."""
+    if path is None:
+        return "float32"
+    path = os.fspath(path)
+    cfg = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise NotACheckpointError(f"{path}: not a checkpoint (no config.json)")
+    try:
+        with open(cfg) as f:
+            torch_dtype = json.load(f).get("torch_dtype")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{cfg}: not a JSON object ({e})") from e
+    if torch_dtype not in _AUTO:
+        raise ValueError(f"{cfg}: torch_dtype {torch_dtype!r} is not one of {sorted(_DTYPES)}")
+    return _AUTO[torch_dtype]
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -198,14 +223,15 @@ def load_pretrained(
 ) -> KimiLinearForCausalLM:
     """Load a Kimi Linear checkpoint in the HF layout, tensor by tensor.
 
-    Weights are cast to `dtype` ("bfloat16" or "float32"); parameters the model keeps in fp32
+    Weights are cast to `dtype` ("bfloat16", "float32", or "auto": the checkpoint's torch_dtype,
+    see `auto_dtype`); parameters the model keeps in fp32
     whatever its dtype (A_log, dt_bias, the router's correction bias) stay fp32. `parallel`
     (`parallel.mesh.make_parallel(read_config(path), tp, dcp)`) builds the model for its mesh
     and puts every tensor straight onto its shards by the sharding rules.
     """
     path = os.fspath(path)
     config = read_config(path)
-    dt = resolve_dtype(dtype)
+    dt = resolve_dtype(auto_dtype(path) if dtype == "auto" else dtype)
     if parallel.sharded:
         validate(config, parallel.tp, parallel.dcp, combine=parallel.combine)
     abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dt, par=parallel))
@@ -237,7 +263,7 @@ def model_config(path: str | os.PathLike | None) -> KimiLinearConfig:
 
 
 def load_model_and_tokenizer(
-    path: str | os.PathLike | None, dtype="float32", *, parallel: Parallel = ONE_DEVICE
+    path: str | os.PathLike | None, dtype="auto", *, parallel: Parallel = ONE_DEVICE
 ):
     """(model, tokenizer or None) from a checkpoint dir, or for `path=None` the built-in
     default model: seeded random weights and the byte-level tokenizer (its text is noise).
@@ -245,6 +271,8 @@ def load_model_and_tokenizer(
     from kimi_linear_jax.model import init_model
     from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
 
+    if dtype == "auto":
+        dtype = auto_dtype(path)
     if path is None:
         cfg = model_config(None)
         model = init_model(cfg, seed=0, dtype=resolve_dtype(dtype), par=parallel)

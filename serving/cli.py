@@ -1,5 +1,6 @@
 """`kimi-linear-jax` command line: `generate` (one prompt, or a JSONL batch), `serve` (the
-OpenAI-compatible server) and `info` (a preset's parameter count).
+OpenAI-compatible server), `plan` (memory per device of a hypothetical device set) and `info`
+(a preset's parameter count).
 
 Bad command-line input (a path that is not a checkpoint, a TP size past the device count, a
 sampling value out of range) exits with status 2 and one line on stderr naming the problem. In
@@ -11,20 +12,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import sys
 import time
 
 from kimi_linear_jax.parallel.mesh import COMBINES
 from kimi_linear_jax.tokenizer import validate_messages
+from serving.plan_command import add_plan_parser
 from serving.sampling import SamplingParams
 
 # Engine flags shared by `generate` and `serve`: (flag, type, default, help), with `LLM`'s
 # defaults; each maps onto the `LLM` argument of the same name.
 ENGINE_FLAGS = (
-    ("--max-num-seqs", int, 8, "requests running at once"),
+    ("--max-num-seqs", int, None, "requests running at once (default: planned, else 8)"),
     ("--page-size", int, 16, "tokens per cache page (per device under DCP)"),
-    ("--num-pages", int, 256, "pages in the MLA cache pool"),
+    ("--num-pages", int, None, "pages in the MLA cache pool (default: planned, else 256)"),
+    ("--gpu-memory-utilization", float, 0.9, "share of device memory for weights and pools"),
+    ("--device-memory", str, None, "bytes per device where the backend reports none: 80GiB"),
+    ("--state-memory-ratio", float, 0.9, "planned split: state gets r / (1 + r) of the rest"),
     ("--max-model-len", int, None, "context limit (default: what the model and pool allow)"),
     ("--num-scheduler-steps", int, 1, "decode steps fused into one device call"),
     ("--max-num-batched-tokens", int, 256, "token budget of one step"),
@@ -53,7 +59,12 @@ assert set(LINE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: built-in model)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="auto: the checkpoint's torch_dtype, float32 for the built-in model",
+    )
     for flag, kind, default, text in ENGINE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
     par = p.add_argument_group("devices (one mesh: TP over heads, experts and vocab; DCP in it)")
@@ -130,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
     s.set_defaults(func=cmd_serve)
 
+    add_plan_parser(sub)
+
     i = sub.add_parser("info", help="parameter count of a preset (abstract, nothing allocated)")
     i.add_argument("--preset", default="kimi-linear-48b-a3b")
     i.set_defaults(func=cmd_info)
@@ -168,9 +181,26 @@ def sampling_from_args(args):
     return params
 
 
+class _Stderr(logging.Handler):
+    """Writes to the sys.stderr of the moment (a StreamHandler keeps the stream it was given,
+    which a test's capture may have closed since)."""
+
+    def emit(self, record) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def _show_engine_log() -> None:
+    """The engine's start-up line (its memory plan) on stderr; stdout stays the results."""
+    log = logging.getLogger("kimi_linear_jax.engine")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
+        log.setLevel(logging.INFO)
+
+
 def llm_from_args(args):
     from serving.engine import LLM
 
+    _show_engine_log()
     names = [flag[2:].replace("-", "_") for flag, *_ in ENGINE_FLAGS]
     speculative = None
     if args.speculative_method is not None:

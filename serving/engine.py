@@ -17,6 +17,7 @@ message; the others run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -24,13 +25,14 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel, validate
+from kimi_linear_jax.parallel.plan import STATE_MEMORY_RATIO, parse_bytes
 from kimi_linear_jax.parallel.rules import shard_model
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
+from serving.memory import PoolOptions, plan_pools
 from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.runner import ModelRunner
@@ -41,6 +43,8 @@ from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter
 from serving.speculative.track import resolve_track_interval
 from serving.state_pool import StatePool
+
+log = logging.getLogger("kimi_linear_jax.engine")
 
 # Counters of `LLM.metrics()` (besides the current-load gauges it adds).
 COUNTERS = (
@@ -134,17 +138,29 @@ class _Tracked:
 
 class LLM:
     """Offline engine. `generate` / `chat` run batches to completion; `add_request`, `step`
-    and `abort_request` drive it one step at a time (the server's loop does)."""
+    and `abort_request` drive it one step at a time (the server's loop does).
+
+    Pools (`serving/memory.py`): `num_pages` given: that many pages and `max_num_seqs`
+    (default 8) slots. Else, where the device memory is known (a GPU's `bytes_limit`, or
+    `device_memory=` bytes or "80GiB" on a backend that reports none), they are planned:
+    `gpu_memory_utilization` of it, minus the weights placed and the largest compiled step,
+    split between state slots and pages by `state_memory_ratio` (sglang's ratio);
+    `max_num_seqs` then caps the planned count. Else fixed defaults (256 pages, 8 slots).
+    `self.memory_plan` holds the plan (None for fixed pools). `dtype="auto"`: the checkpoint's
+    torch_dtype, float32 for the built-in model; the KDA state is fp32 whatever the dtype."""
 
     def __init__(
         self,
         model=None,
         *,
         tokenizer=None,
-        dtype: str = "float32",
-        max_num_seqs: int = 8,
+        dtype: str = "auto",
+        max_num_seqs: int | None = None,
         page_size: int = 16,
-        num_pages: int = 256,
+        num_pages: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        device_memory: int | str | None = None,
+        state_memory_ratio: float = STATE_MEMORY_RATIO,
         max_num_batched_tokens: int = 256,
         chunk_size: int = 64,
         tensor_parallel_size: int | None = None,
@@ -174,6 +190,16 @@ class LLM:
         ):
             if value is not None and (not is_int(value) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(gpu_memory_utilization, int | float) or not (
+            0 < gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
+        if not isinstance(state_memory_ratio, int | float) or not 0 < state_memory_ratio < 1e9:
+            raise ValueError(f"state_memory_ratio must be a number > 0, got {state_memory_ratio!r}")
+        if device_memory is not None:
+            parse_bytes(device_memory)  # a bad size fails before the load
         # Option errors before the (possibly slow) model load; the parallel plan is checked
         # against the config alone (heads, experts, vocab vs the TP degree, devices present).
         self.speculative = SpeculativeConfig.parse(speculative)
@@ -185,12 +211,6 @@ class LLM:
             combine=dcp_combine,
         )
         self.parallel = par
-        # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
-        # a restore or snapshot is one on-device copy (the layout says where each slot is).
-        n_ckpt = 2 * max_num_seqs if num_checkpoint_slots is None else num_checkpoint_slots
-        if not enable_prefix_caching:
-            n_ckpt = 0
-        self.layout = CacheLayout(num_pages, page_size, par.dcp, max_num_seqs, n_ckpt)
         # The track interval is resolved once, here, on the checkpoint grid, for the
         # scheduler's decode snapshots and the verify.
         self.track_interval = resolve_track_interval(track_interval, page_size, par.dcp)
@@ -198,6 +218,31 @@ class LLM:
             raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
+        draft_model = self._load_draft(dtype) if drafter is None else None
+        k = self.speculative.num_draft_tokens if self.speculative else 0
+        # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
+        # a restore or snapshot is one on-device copy (the layout says where each slot is).
+        # The pools: num_pages if given, else planned from the device's memory, else fixed.
+        pools = PoolOptions(
+            page_size=page_size,
+            num_pages=num_pages,
+            max_num_seqs=max_num_seqs,
+            num_checkpoint_slots=num_checkpoint_slots,
+            enable_prefix_caching=enable_prefix_caching,
+            num_draft_tokens=k,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunk_size=chunk_size,
+            batch_buckets=batch_buckets,
+            token_buckets=token_buckets,
+            gpu_memory_utilization=gpu_memory_utilization,
+            device_memory=device_memory,
+            state_memory_ratio=state_memory_ratio,
+        )
+        self.layout, self.memory_plan = plan_pools(self.model, draft_model, pools)
+        log.info(self._pool_line())
+        max_num_seqs = self.layout.max_num_seqs
+        n_ckpt = self.layout.num_checkpoint_slots
         limit = min(self.config.model_max_length, self.layout.pool_tokens)
         self.max_model_len = limit if max_model_len is None else min(max_model_len, limit)
         self.max_num_seqs = max_num_seqs
@@ -209,8 +254,7 @@ class LLM:
         self.prefix_cache = None
         if n_ckpt > 0:
             self.prefix_cache = PrefixCache(self.allocator, self.layout.checkpoint_slots)
-        drafter = drafter or self._make_drafter(dtype)
-        k = self.speculative.num_draft_tokens if self.speculative else 0
+        drafter = drafter or self._make_drafter(draft_model)
         self.runner = ModelRunner(
             self.model,
             layout=self.layout,
@@ -427,12 +471,12 @@ class LLM:
                 tracked.error = message
         return [r.request_id for r in failed if r.request_id in self._tracked]
 
-    def _make_drafter(self, dtype: str):
+    def _load_draft(self, dtype: str):
+        """The draft model of speculative={'method': 'draft_model'} (None otherwise), loaded
+        before the pools are sized: its weights and caches take their share."""
         spec = self.speculative
-        if spec is None:
+        if spec is None or spec.method == "ngram":
             return None
-        if spec.method == "ngram":
-            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
         draft_par = _draft_plan(_config_of(spec.model), self.parallel)
         draft, _ = _load_model(spec.model, dtype, None, draft_par)
         if draft.config.vocab_size != self.config.vocab_size:
@@ -440,7 +484,26 @@ class LLM:
                 f"speculative draft model vocab_size {draft.config.vocab_size} != target "
                 f"vocab_size {self.config.vocab_size}"
             )
-        return DraftModelDrafter(draft, self.layout)
+        return draft
+
+    def _make_drafter(self, draft_model):
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return DraftModelDrafter(draft_model, self.layout)
+
+    def _pool_line(self) -> str:
+        """The start-up log line: the plan, or the fixed pools and why."""
+        if self.memory_plan is not None:
+            return self.memory_plan.summary()
+        lay = self.layout
+        return (
+            f"pools fixed: {lay.num_pages} pages = {lay.pool_tokens} tokens, {lay.num_slots} "
+            f"state slots, max_num_seqs {lay.max_num_seqs} (num_pages given, or no device "
+            "memory known: pass device_memory= to plan)"
+        )
 
     def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
         """Queue every valid prompt (an Exception entry is a prompt that already failed), run

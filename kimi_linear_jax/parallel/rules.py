@@ -8,6 +8,7 @@ parameters (norms, routers, the MLA down-projection) are replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -151,15 +152,34 @@ def param_bytes_per_device(
 ) -> tuple[int, int]:
     """(bytes of parameters on each device, bytes in all) of `config` under (tp, dcp), from
     the sharding rules and the abstract model: nothing is allocated, no device is needed."""
-    from kimi_linear_jax.model import KimiLinearForCausalLM
-
-    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dtype))
     par = Parallel(tp, dcp, replicate_q_proj)
     rules = ShardingRules.for_parallel(par)
     sizes = {MODEL_AXIS: tp // dcp, DCP_AXIS: dcp}
     per_device = total = 0
-    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        item = jnp.dtype(var.dtype).itemsize
-        total += math.prod(var.shape) * item
-        per_device += shard_elements(tuple(var.shape), var_spec(var, rules), sizes) * item
+    for shape, item, logical in _abstract_params(config, jnp.dtype(dtype)):
+        total += math.prod(shape) * item
+        per_device += shard_elements(shape, rules.spec(logical, len(shape)), sizes) * item
     return per_device, total
+
+
+class _OneKey:
+    """Stands in for `nnx.Rngs` in an abstract build: no value is ever drawn, so one key serves
+    every parameter. `nnx.Rngs` counts its draws in a Variable, and each traced update makes
+    flax ask the tracer for its sharding, whose error message walks the whole trace so far:
+    quadratic, 16 s for the release on a loaded CPU against 3 s with this."""
+
+    def params(self):
+        return jax.random.key(0)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(config, dtype) -> tuple[tuple[tuple[int, ...], int, Axes], ...]:
+    """(shape, itemsize, logical axes) of every parameter of `config`'s model, one
+    `eval_shape` per config and dtype (a planner asks for several device sets)."""
+    from kimi_linear_jax.model import KimiLinearForCausalLM
+
+    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dtype, rngs=_OneKey()))
+    return tuple(
+        (tuple(var.shape), jnp.dtype(var.dtype).itemsize, var.get_metadata().get("logical"))
+        for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+    )

@@ -181,3 +181,56 @@ def test_tp_not_dividing_the_heads_exits_2(checkpoint, capsys):
     rc, out, err = run(capsys, "generate", "--prompt-ids", "1", "-tp", "3", *FLAGS)
     # The built-in model has 6 MLA and KDA heads and 8 experts: 3 divides the heads only.
     assert rc == 2 and "tensor_parallel_size 3 must divide the experts (num_experts) (8)" in err
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+
+PLAN_KEYS = {
+    "weights_bytes_per_device",
+    "kv_bytes_per_token_per_device",
+    "state_bytes_per_slot_per_device",
+    "num_pages",
+    "page_size",
+    "num_state_slots",
+    "max_num_seqs",
+    "max_tokens_in_cache",
+    "activation_bytes",
+    "fits",
+    "reason",
+}
+
+
+def test_plan_json_has_the_keys(capsys):
+    rc, out, _ = run(
+        capsys,
+        *("plan", "--preset", "kimi-linear-48b-a3b", "--tensor-parallel-size", "8"),
+        *("--dcp-size", "8", "--device-memory", "80GiB", "--gpu-memory-utilization", "0.9"),
+        *("--max-model-len", "131072", "--num-draft-tokens", "4", "--json"),
+    )
+    assert rc == 0
+    plan = json.loads(out)
+    assert PLAN_KEYS <= set(plan)
+    assert plan["fits"] is True and plan["reason"] is None and plan["dtype"] == "bfloat16"
+    assert plan["kv_bytes_per_token_per_device"] == 7 * 576 * 2 / 8
+    # 20 KDA layers x (S: 32/8 heads x 128 x 128 fp32 + 3 conv windows of 3 x 4096/8 bf16)
+    assert plan["state_bytes_per_slot_per_device"] == 20 * (4 * 128 * 128 * 4 + 3 * 3 * 512 * 2)
+    assert plan["max_tokens_in_cache"] == (plan["num_pages"] - 1) * 16 * 8
+
+
+def test_plan_that_does_not_fit_exits_1_with_the_reason(capsys):
+    rc, out, _ = run(capsys, "plan", "--device-memory", "80GB", "--max-model-len", "4096")
+    assert rc == 1
+    assert "fits" in out and "no: weights 91.50 GiB" in out
+
+
+def test_plan_of_a_config_json_takes_its_torch_dtype(checkpoint, capsys):
+    rc, out, _ = run(capsys, "plan", "--config", checkpoint, "--device-memory", "64MiB", "--json")
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["dtype"] == "float32"  # the tiny checkpoint was saved in float32
+    assert plan["kv_bytes_per_token_per_device"] == 1 * (32 + 8) * 4
+
+
+def test_plan_bad_input_exits_2(capsys):
+    rc, out, err = run(capsys, "plan", "--device-memory", "80 furlongs")
+    assert rc == 2 and out == "" and "cannot read '80 furlongs'" in err
