@@ -31,17 +31,28 @@ def state_bytes_per_slot(config, tp: int, itemsize: int) -> int:
     return len(config.kda_layer_ids) * per_layer
 
 
+def replay_bytes_per_row(config, tp: int, itemsize: int, window: int) -> int:
+    """What a verify window keeps per row for its replay commit (`KDAInputs`), per device: per
+    KDA layer and window token, the three pre-conv projections [H*d/tp] in the model dtype and
+    k, g [H/tp, K], v [H/tp, V], beta [H/tp] in fp32."""
+    H, d = config.linear_num_heads // tp, config.linear_head_dim
+    per_token = 3 * H * d * itemsize + (3 * H * d + H) * S_ITEMSIZE
+    return len(config.kda_layer_ids) * window * per_token
+
+
 def step_bytes_per_row(
     config, tp: int, dcp: int, itemsize: int, window: int, reference_context: int = 0
 ) -> int:
-    """A decode (window 1) or verify (window k + 1) row's transient buffers: the state after
-    every step of the window plus the row's gathered state (the commit picks from them), the
+    """A decode (window 1) or verify (window k + 1) row's transient buffers: the row's gathered
+    state and the one its commit writes, a verify's per-step inputs for the replay commit, the
     sampling of each window token over the whole vocabulary, and with the XLA reference
     attention (`reference_context` tokens; 0 for the paged kernel) its gathered pages and
     scores."""
-    states = (window + 1) * state_bytes_per_slot(config, tp, itemsize)
+    states = 2 * state_bytes_per_slot(config, tp, itemsize)
+    replay = replay_bytes_per_row(config, tp, itemsize, window) if window > 1 else 0
     sampling = window * config.vocab_size * SAMPLING_BYTES_PER_VOCAB
-    return states + sampling + reference_bytes(config, tp, dcp, itemsize, window, reference_context)
+    context = reference_bytes(config, tp, dcp, itemsize, window, reference_context)
+    return states + replay + sampling + context
 
 
 def reference_bytes(config, tp: int, dcp: int, itemsize: int, tokens: int, context: int) -> int:

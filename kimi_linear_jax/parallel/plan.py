@@ -34,6 +34,7 @@ from kimi_linear_jax.parallel.footprint import (
     kv_bytes_per_token,
     padded_rows,
     prefill_bytes,
+    replay_bytes_per_row,
     state_bytes_per_slot,
     step_bytes_per_row,
 )
@@ -258,6 +259,9 @@ def plan_memory(
         0 if measured else step_bytes_per_row(config, tp, dcp, item, num_draft_tokens + 1, context)
     )
     state = state_bytes_per_slot(config, tp, item)
+    # A verify row's replay inputs (in `row`) and the draft model's per-step states (in `seq`).
+    k = num_draft_tokens
+    verify_bytes = replay_bytes_per_row(config, tp, item, k + 1) + k * draft.state if k else 0
     # Checkpoint slots: 2 per sequence by default, or a fixed count; none without the cache.
     per_seq = CHECKPOINT_SLOTS_PER_SEQ if num_checkpoint_slots is None else 0
     fixed_ckpt = num_checkpoint_slots or 0
@@ -300,7 +304,7 @@ def plan_memory(
         state_bytes_per_slot_per_device=state,
         seq_bytes_per_device=costs.seq + row,
         num_draft_tokens=num_draft_tokens,
-        verify_bytes_per_seq=num_draft_tokens * (state + draft.state),
+        verify_bytes_per_seq=verify_bytes,
         draft_replicated=draft.replicated,
         draft_kv_bytes_per_token_per_device=draft.page / (page_size * dcp),
         draft_state_bytes_per_slot_per_device=draft.state,

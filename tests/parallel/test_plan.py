@@ -128,11 +128,13 @@ def test_long_context_that_does_not_fit_says_why():
 
 
 def test_speculation_adds_the_verify_window():
-    """k drafts: k more per-step states per row, and sampling over k more positions."""
+    """k drafts: the replay commit's per-step inputs of the k + 1 window tokens per row (20 KDA
+    layers x 5 tokens x (3 pre-conv projections [4096/8] bf16 + k, g, v [32/8, 128] and beta
+    [32/8] fp32)), and sampling over k more positions."""
     plain, spec = plan(), plan(num_draft_tokens=4)
-    state = release_state_per_slot(8)
-    assert spec.verify_bytes_per_seq == 4 * state
-    assert spec.seq_bytes_per_device - plain.seq_bytes_per_device == 4 * state + 4 * 163840 * 17
+    replay = 20 * 5 * (3 * 512 * BF16 + (3 * 4 * 128 + 4) * F32)
+    assert spec.verify_bytes_per_seq == replay
+    assert spec.seq_bytes_per_device - plain.seq_bytes_per_device == replay + 4 * 163840 * 17
 
 
 def test_replicated_draft_pool_counts_dcp_times():
