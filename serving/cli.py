@@ -93,6 +93,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-model", default=None, help="draft checkpoint (draft_model)")
     spec.add_argument("--prompt-lookup-max", type=int, default=3)
     spec.add_argument("--prompt-lookup-min", type=int, default=1)
+    hosts = p.add_argument_group(
+        "several processes (hosts): one mesh over all their devices; run the same command on "
+        "each, with its own --process-id (or set KIMI_COORDINATOR_ADDRESS, KIMI_NUM_PROCESSES, "
+        "KIMI_PROCESS_ID)"
+    )
+    hosts.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0")
+    hosts.add_argument("--num-processes", type=int, default=None)
+    hosts.add_argument("--process-id", type=int, default=None)
     cache = p.add_argument_group("prefix caching (on by default)")
     cache.add_argument("--no-prefix-caching", action="store_true")
     cache.add_argument("--num-checkpoint-slots", type=int, default=None)
@@ -213,6 +221,7 @@ def llm_from_args(args):
         }
     return LLM(
         args.model,
+        distributed=_distributed(args),
         dtype=args.dtype,
         speculative=speculative,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -224,6 +233,28 @@ def llm_from_args(args):
         dcp_combine=args.dcp_combine,
         **{name: getattr(args, name) for name in names},
     )
+
+
+def _distributed(args) -> dict | None:
+    """The three process flags together, or none (then the environment decides)."""
+    given = {
+        "coordinator_address": args.coordinator_address,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"several processes need all three flags; missing {', '.join(missing)}")
+    return given
+
+
+def _leader() -> bool:
+    """Whether this process writes results (process 0; the only one without several)."""
+    from kimi_linear_jax.parallel.distributed import is_leader
+
+    return is_leader()
 
 
 # ---- generate ----------------------------------------------------------------------------------
@@ -313,7 +344,7 @@ def _batch(args, llm, defaults, lines: list[str]) -> int:
         prompts.append(prompt)
         params.append(p)
         where.append(n)
-    outs = llm.generate(prompts, params, use_tqdm=True) if prompts else []
+    outs = llm.generate(prompts, params, use_tqdm=_leader()) if prompts else []
     for n, out in zip(where, outs, strict=True):
         results[n] = _result(out)
         if "error" in results[n]:
@@ -323,6 +354,8 @@ def _batch(args, llm, defaults, lines: list[str]) -> int:
 
 
 def _write_lines(path: str | None, rows: list[dict]) -> None:
+    if not _leader():  # a follower ran the same steps; process 0 writes the results
+        return
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     if path is None:
         sys.stdout.write(text)
@@ -357,7 +390,8 @@ def cmd_generate(args) -> int:
     else:
         tokens = _single(args, llm, params, prompt)
     dt = time.perf_counter() - t0
-    print(f"[{tokens} tokens in {dt:.2f}s incl. compile]", file=sys.stderr)
+    if _leader():
+        print(f"[{tokens} tokens in {dt:.2f}s incl. compile]", file=sys.stderr)
     return 0
 
 

@@ -23,10 +23,14 @@ import random
 import time
 from collections.abc import Sequence
 
+import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
 from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.parallel import distributed as distributed_mod
+from kimi_linear_jax.parallel.distributed import Distributed
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel, validate
 from kimi_linear_jax.parallel.plan import STATE_MEMORY_RATIO, parse_bytes
 from kimi_linear_jax.parallel.rules import shard_model
@@ -147,7 +151,14 @@ class LLM:
     split between state slots and pages by `state_memory_ratio` (sglang's ratio);
     `max_num_seqs` then caps the planned count. Else fixed defaults (256 pages, 8 slots).
     `self.memory_plan` holds the plan (None for fixed pools). `dtype="auto"`: the checkpoint's
-    torch_dtype, float32 for the built-in model; the KDA state is fp32 whatever the dtype."""
+    torch_dtype, float32 for the built-in model; the KDA state is fp32 whatever the dtype.
+
+    Several processes: `distributed={"coordinator_address": "HOST:PORT", "num_processes": N,
+    "process_id": I}` (or the KIMI_COORDINATOR_ADDRESS / KIMI_NUM_PROCESSES / KIMI_PROCESS_ID
+    environment variables) joins the group before anything touches a device; every process
+    then builds the same engine over one mesh of all their devices and must be given the same
+    requests in the same order (`parallel/distributed.py`). A step fault then raises instead
+    of failing only its requests: the processes could no longer stay in step."""
 
     def __init__(
         self,
@@ -177,7 +188,11 @@ class LLM:
         track_interval: int | None = None,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
+        distributed: dict | Distributed | None = None,
     ) -> None:
+        # Join the process group first: nothing may touch a device before (see
+        # `parallel/distributed.py`; None reads the KIMI_* environment variables).
+        distributed_mod.initialize(Distributed.parse(distributed))
         for name, value, low in (
             ("max_num_seqs", max_num_seqs, 1),
             ("num_scheduler_steps", num_scheduler_steps, 1),
@@ -240,6 +255,10 @@ class LLM:
             state_memory_ratio=state_memory_ratio,
         )
         self.layout, self.memory_plan = plan_pools(self.model, draft_model, pools)
+        if distributed_mod.multi_process():
+            # Each process plans from its own devices; the lockstep needs one plan.
+            plan = (self.layout.num_pages, self.layout.num_slots, self.layout.max_num_seqs)
+            multihost_utils.assert_equal(plan, "processes planned different pools")
         log.info(self._pool_line())
         max_num_seqs = self.layout.max_num_seqs
         n_ckpt = self.layout.num_checkpoint_slots
@@ -424,6 +443,11 @@ class LLM:
             try:
                 touched += self._run_step(output, touched)
             except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+                if distributed_mod.multi_process():
+                    # The processes may no longer be in step (one may have failed alone):
+                    # stop rather than run different steps into a collective that hangs.
+                    where = f"process {jax.process_index()}"
+                    raise RuntimeError(f"engine step failed on {where}: {e}") from e
                 touched += self._fail_step(output, e)
             self._counters["steps"] += 1
             self._counters["step_seconds"] += time.perf_counter() - t0

@@ -60,9 +60,10 @@ class PoolOptions:
 
 
 def model_devices(model) -> list:
-    """The devices a model's parameters sit on (its mesh, or the one device)."""
+    """The devices of this process that a model's parameters sit on (its mesh, or the one
+    device); across several processes the others' devices cannot be asked for their memory."""
     if model.par.sharded:
-        return list(model.par.mesh.devices.flat)
+        return [d for d in model.par.mesh.devices.flat if d.process_index == jax.process_index()]
     leaf = jax.tree.leaves(nnx.state(model))[0]
     return list(leaf.devices())
 

@@ -12,3 +12,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + flag
+
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop the jit caches after each test module. Every compiled XLA:CPU program keeps memory
+    mappings of its code; the whole suite compiles thousands and once a process passes the
+    kernel's limit (vm.max_map_count, 65,530) the next compile crashes with a segfault. A
+    module's programs are not reused by the next module's shapes."""
+    yield
+    jax.clear_caches()
+    gc.collect()
