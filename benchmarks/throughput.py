@@ -6,32 +6,39 @@ load that checkpoint, so both sides run identical weights on identical prompts. 
 size B: B random prompts of ``--prompt-len`` ids (seeded, equal lengths, so transformers needs
 no padding), greedy, no stop on EOS, a fixed number of new tokens N.
 
-- prefill tok/s = B * prompt_len / time(generate with 1 new token);
-- decode tok/s  = B * (N - 1) / (time(generate with N new tokens) - time(... 1 new token)).
+Both sides are timed inside each generate call: ours steps the engine (``LLM.generate``'s own
+loop) with a timestamp after each step, transformers' ``generate`` gets a logits processor that
+stamps each new token's logits. With t_first the time to the first new token of every row and
+t_last the time to the last:
+
+- prefill tok/s = B * prompt_len / t_first;
+- decode tok/s  = B * (N - 1) / (t_last - t_first), i.e. N - 1 decode steps, host work included.
 
 Each shape is generated once untimed first (our engine compiles per bucket shape; transformers'
-first call warms its allocator). Then ``--repeats`` rounds in which the sides take turns call by
-call (ours 1 token, fused 1 token, hf 1 token, ours N tokens, fused N, hf N; again), so a slow
-spell of the shared machine hits every side alike; each t above is the fastest of its calls
-(1-token and N-token minima taken separately), and the ratios come from the same run. Every
-call's time is in the JSON. Sides: ours unfused (the goal metric), ours with
-``num_scheduler_steps=--fused-steps`` decode steps fused in one call, transformers.
+first call warms its allocator). Then ``--repeats`` rounds of one call per side, the sides
+taking turns (ours, ours fused, transformers, ours, ...), so that a slow spell of the shared
+machine hits every side alike; each figure is the fastest of its calls, and the ratios come from
+the same run. Every call's spans are in the JSON. Sides: ours unfused (the goal metric), ours
+with ``num_scheduler_steps=--fused-steps`` decode steps fused in one call, and transformers once
+per ``--torch-threads`` count (default 1 and all cores), each figure taken from the faster: on
+the shared 2-core machine torch's two-thread runs slow down several-fold under load.
 
 Roofline (the bound a decode step cannot beat on this machine): the bytes of weights a decode
 step must read at batch B (``weight_bytes_per_step``: every dense weight once, B embedding rows,
 of the routed experts only the expected distinct ones) over the host memory bandwidth measured
 in the same run (numpy copy of a 512 MiB array, read + write bytes, best of 5, measured before
-and after the timings and the faster of the two taken), so roofline
-tok/s = B / (bytes per step / bandwidth). KDA state and MLA cache traffic are left out of it
+and after the timings, the faster of the two taken), so roofline tok/s = B / (bytes per step /
+bandwidth). KDA state and MLA cache traffic are left out of it
 (``roofline_with_state_tok_s`` adds them, for the record).
 
 The greedy tokens of both sides are compared row by row (reported, not asserted: random f32
 weights give near-ties that summation order can flip).
 
 Run from the repo root: ``python benchmarks/throughput.py [--batches 1,8,32]
-[--prompt-len 64] [--max-tokens 16] [--repeats 3] [--fused-steps 8] [--no-hf] [--quick]``
-(about 6 min for the defaults on the 2-core development machine, most of it transformers'
-prefill at B = 32; ``--batches 1,8`` or ``--repeats 2`` to shorten it).
+[--prompt-len 64] [--max-tokens 16] [--repeats 3] [--fused-steps 8] [--torch-threads 1,2]
+[--no-hf] [--quick]``
+(about 5 min for the defaults on a quiet 2-core development machine, most of it transformers
+at B = 32, several times that under load; ``--batches 1,8`` or ``--repeats 2`` shorten it).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 # benchmarks/ for its siblings, then the repo root: the checkout's packages, not an install.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +75,7 @@ COLUMNS = [
     "prefill_ratio",
     "ours_decode_tok_s",
     "hf_decode_tok_s",
+    "hf_decode_threads",
     "decode_ratio",
     "roofline_decode_tok_s",
     "ours/roofline",
@@ -185,82 +194,103 @@ def make_llm(path: str, batches: list[int], prompt_len: int, max_tokens: int, **
     )
 
 
-def ours_generate(llm: LLM, prompts: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+class Timing(NamedTuple):
+    """One generate call: time to the first token of every row (prefill), time from there to
+    the last token (N - 1 decode steps), the [B, N] new ids."""
+
+    prefill_s: float
+    decode_s: float
+    tokens: np.ndarray
+
+
+def ours_generate(llm: LLM, prompts: np.ndarray, n: int) -> Timing:
+    """``LLM.generate``'s loop (add every request, ``step()`` until done), with a timestamp
+    after each step. All rows prefill in the first step (see ``make_llm``)."""
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
-    outs = llm.generate([p.tolist() for p in prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return dt, np.array([o.token_ids for o in outs], np.int64)
+    rids = [llm.add_request(p.tolist(), params) for p in prompts]
+    stamps, tokens = [], {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            tokens[out.request_id] = out.token_ids
+        stamps.append(time.perf_counter())
+    if any(len(tokens[r]) != n for r in rids) or not stamps:
+        raise RuntimeError(f"expected {n} tokens per row")
+    ids = np.array([tokens[r] for r in rids], np.int64)
+    return Timing(stamps[0] - t0, stamps[-1] - stamps[0], ids)
 
 
-def hf_generate(tmodel, prompts, n: int) -> tuple[float, np.ndarray]:
+def hf_generate(tmodel, prompts: np.ndarray, n: int, threads: int) -> Timing:
+    """transformers' ``generate`` on ``threads`` torch threads, with a logits processor that
+    stamps the time at each new token's logits: the first stamp follows the prefill, the last
+    the N-th forward."""
     import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    stamps: list[float] = []
+
+    class Stamp(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
 
     ids = torch.as_tensor(prompts, dtype=torch.long)
-    mask = torch.ones_like(ids)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = tmodel.generate(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([Stamp()]),
         )
-    dt = time.perf_counter() - t0
-    return dt, out[:, prompts.shape[1] :].numpy().astype(np.int64)
+    if len(stamps) != n:
+        raise RuntimeError(f"expected {n} logits calls, got {len(stamps)}")
+    new = out[:, prompts.shape[1] :].numpy().astype(np.int64)
+    return Timing(stamps[0] - t0, stamps[-1] - stamps[0], new)
 
 
-def _rates(b: int, prompt_len: int, n: int, t1: float, tn: float) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) from the 1-token and n-token generate times."""
-    decode = b * (n - 1) / (tn - t1) if n > 1 and tn > t1 else float("nan")
-    return b * prompt_len / t1, decode
-
-
-def time_interleaved(sides: dict, n: int, repeats: int) -> dict[str, dict]:
-    """Every side's ``fn(1)`` and ``fn(n)``, ``repeats`` times, the sides taking turns call by
-    call (ours, hf, ours, hf, ...), so that a slow spell of the shared machine hits all sides
-    alike. Returns per side its lists of 1-token and n-token times and the n-token ids, or the
-    error of a side that failed (it is then skipped for the rest of the run)."""
-    out: dict[str, dict] = {name: {"t1": [], "tn": [], "tokens": None} for name in sides}
+def time_interleaved(sides: dict, repeats: int) -> dict[str, dict]:
+    """``repeats`` rounds of one call per side, the sides taking turns (ours, fused, hf, ours,
+    ...), so that a slow spell of the shared machine hits all sides alike. Returns per side
+    its lists of prefill and decode times and the last call's ids, or the error of a side
+    that failed (it is then skipped for the rest of the run)."""
+    out: dict[str, dict] = {name: {"prefill": [], "decode": [], "tokens": None} for name in sides}
     for _ in range(repeats):
-        for k in (1, n):
-            for name, fn in sides.items():
-                if "error" in out[name]:
-                    continue
-                try:
-                    dt, got = fn(k)
-                except Exception as e:  # noqa: BLE001 - report any failure of one side
-                    out[name]["error"] = f"{type(e).__name__}: {e}"[:300]
-                    print(f"  {name} failed: {out[name]['error']}", flush=True)
-                    continue
-                out[name]["t1" if k == 1 else "tn"].append(dt)
-                if k == n:
-                    out[name]["tokens"] = got
+        for name, fn in sides.items():
+            if "error" in out[name]:
+                continue
+            try:
+                t = fn()
+            except Exception as e:  # noqa: BLE001 - report any failure of one side
+                out[name]["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"  {name} failed: {out[name]['error']}", flush=True)
+                continue
+            out[name]["prefill"].append(t.prefill_s)
+            out[name]["decode"].append(t.decode_s)
+            out[name]["tokens"] = t.tokens
     return out
 
 
 def record(name: str, timed: dict, b: int, prompt_len: int, n: int, row: dict) -> None:
-    """Best-of-N figures of one side into ``row[name_*]``.
-
-    The fastest 1-token and the fastest n-token call are taken separately: each is the call
-    the machine disturbed least. (The fastest of the per-repeat differences would reward a
-    disturbed 1-token call, which is how a single-call run once reported 13,748 tok/s.)"""
+    """Best-of-N figures of one side into ``row[name_*]``: the fastest prefill and the fastest
+    decode span, each the one the machine disturbed least. Both spans come from inside one
+    call, so nothing is subtracted across calls (the old t(N) - t(1) did that, and a
+    disturbed 1-token call once gave transformers 13,748 tok/s at B = 32)."""
     if "error" in timed:
         row[f"{name}_error"] = timed["error"]
         row[f"{name}_prefill_tok_s"] = row[f"{name}_decode_tok_s"] = "error"
         return
-    t1, tn = min(timed["t1"]), min(timed["tn"])
-    prefill, decode = _rates(b, prompt_len, n, t1, tn)
+    prefill, decode = min(timed["prefill"]), min(timed["decode"])
     row.update(
         {
-            f"{name}_t1_s": t1,
-            f"{name}_tn_s": tn,
-            f"{name}_t1_all_s": timed["t1"],
-            f"{name}_tn_all_s": timed["tn"],
-            f"{name}_prefill_tok_s": prefill,
-            f"{name}_decode_tok_s": decode,
-            f"{name}_decode_ms_per_step": 1e3 * (tn - t1) / (n - 1),
+            f"{name}_prefill_all_s": timed["prefill"],
+            f"{name}_decode_all_s": timed["decode"],
+            f"{name}_prefill_tok_s": b * prompt_len / prefill,
+            f"{name}_decode_tok_s": b * (n - 1) / decode,
+            f"{name}_decode_ms_per_step": 1e3 * decode / (n - 1),
         }
     )
 
@@ -288,14 +318,14 @@ def build_sides(a, batches: list[int], n: int):
     return config, model, n_params, llm, llm_fused, tmodel
 
 
-def warm_up(sides: dict, n: int, row: dict) -> None:
+def warm_up(sides: dict, row: dict) -> None:
     """One untimed call per side with the timed shape: compiles our [B, prompt_len] prefill and
-    every decode shape the N-token run uses (with fused steps, possibly several step counts)."""
+    every decode shape the N-token run uses (with fused steps, several step counts), and warms
+    transformers' allocator."""
     for name, fn in sides.items():
         t0 = time.perf_counter()
         try:
-            # transformers compiles nothing: 2 tokens warm its prefill and decode paths.
-            fn(2 if name == "hf" else n)
+            fn()
         except Exception as e:  # noqa: BLE001 - the timed calls record it again
             print(f"  warm-up of {name} failed: {type(e).__name__}: {e}", flush=True)
         row[f"{name}_warmup_s"] = time.perf_counter() - t0
@@ -337,19 +367,34 @@ def run_batch(b, prompts, llm, llm_fused, tmodel, a, n) -> dict:
     """Warm-up, then the interleaved best-of-N timings of every side at batch b."""
     row: dict = {"B": b, "prompt_len": a.prompt_len, "max_tokens": n}
     row["loadavg_1m_before"] = os.getloadavg()[0]
-    sides = {"ours": lambda k: ours_generate(llm, prompts, k)}
+    sides = {"ours": lambda: ours_generate(llm, prompts, n)}
     if llm_fused is not None:
-        sides["ours_fused"] = lambda k: ours_generate(llm_fused, prompts, k)
-    if tmodel is not None:
-        sides["hf"] = lambda k: hf_generate(tmodel, prompts, k)
-    warm_up(sides, n, row)
-    timed = time_interleaved(sides, n, a.repeats)
+        sides["ours_fused"] = lambda: ours_generate(llm_fused, prompts, n)
+    for t in a.torch_threads if tmodel is not None else ():
+        sides[f"hf_{t}t"] = lambda t=t: hf_generate(tmodel, prompts, n, t)
+    warm_up(sides, row)
+    timed = time_interleaved(sides, a.repeats)
     for name in sides:
         record(name, timed[name], b, a.prompt_len, n, row)
-    if timed["ours"]["tokens"] is not None and timed.get("hf", {}).get("tokens") is not None:
-        compare_greedy(timed["ours"]["tokens"], timed["hf"]["tokens"], n, row)
+    best_hf(row, a.torch_threads)
+    hf_tokens = [timed[f"hf_{t}t"]["tokens"] for t in a.torch_threads if tmodel is not None]
+    hf_tokens = [x for x in hf_tokens if x is not None]
+    if timed["ours"]["tokens"] is not None and hf_tokens:
+        compare_greedy(timed["ours"]["tokens"], hf_tokens[0], n, row)
     row["loadavg_1m_after"] = os.getloadavg()[0]
     return row
+
+
+def best_hf(row: dict, threads: list[int]) -> None:
+    """transformers at its faster thread count, per figure: on the shared 2-core machine torch's
+    two-thread runs slow down several-fold under load (the threads wait on each other), its
+    one-thread runs do not, and which wins depends on the load and the batch."""
+    for fig in ("prefill", "decode"):
+        got = {t: row.get(f"hf_{t}t_{fig}_tok_s") for t in threads}
+        got = {t: v for t, v in got.items() if isinstance(v, float)}
+        if got:
+            t = max(got, key=got.get)
+            row[f"hf_{fig}_tok_s"], row[f"hf_{fig}_threads"] = got[t], t
 
 
 def parse_args(argv):
@@ -370,9 +415,8 @@ def parse_args(argv):
     )
     p.add_argument(
         "--torch-threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch.set_num_threads for transformers (default: all cores)",
+        default=",".join(sorted({"1", str(os.cpu_count() or 1)})),
+        help="comma-separated torch thread counts, each a side; the faster one is reported",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -381,9 +425,10 @@ def parse_args(argv):
     if a.quick:
         a.batches, a.prompt_len, a.max_tokens, a.repeats = "1,2", 16, 8, 2
     if a.max_tokens < 2:
-        p.error("--max-tokens must be >= 2 (decode = N-token minus 1-token time)")
+        p.error("--max-tokens must be >= 2 (decode = first to last new token)")
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
+    a.torch_threads = sorted({int(t) for t in a.torch_threads.split(",") if t.strip()})
     return a
 
 
@@ -395,8 +440,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import torch
     import transformers
 
-    threads = a.torch_threads
-    torch.set_num_threads(threads)
     t_start = time.perf_counter()
     load_start = list(os.getloadavg())
     print(f"load average (1/5/15 min) at start: {load_start}", flush=True)
@@ -405,7 +448,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"memory bandwidth (numpy copy): {bw['bandwidth_GBps']:.2f} GB/s", flush=True)
     config, model, n_params, llm, llm_fused, tmodel = build_sides(a, batches, n)
     print(
-        f"small preset: {n_params / 1e6:.1f}M parameters; torch threads = {threads}; "
+        f"small preset: {n_params / 1e6:.1f}M parameters; torch threads {a.torch_threads}; "
         f"fused column: {f'num_scheduler_steps={a.fused_steps}' if llm_fused else 'none'}; "
         f"best of {a.repeats}, sides interleaved",
         flush=True,
@@ -444,18 +487,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "quick": a.quick,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
-            "torch_num_threads": threads,
+            "torch_threads": a.torch_threads,
             "loadavg_at_start": load_start,
             "wall_s": wall,
             **bw,
             "note": (
-                "prefill tok/s = B*prompt_len / t(1 new token); decode tok/s = B*(N-1) / "
-                "(t(N new tokens) - t(1 new token)), each t the fastest of `repeats` calls, "
-                "the sides' calls interleaved; warm-up and compilation excluded; greedy, no "
-                "EOS stop. roofline tok/s = B / (weight bytes per decode step / numpy-copy "
-                "bandwidth), with routed experts counted as E*(1-(1-k/E)^B) expected distinct "
-                "experts per MoE layer; roofline_with_state adds KDA state read+write and MLA "
-                "cache reads."
+                "prefill tok/s = B*prompt_len / t_first; decode tok/s = B*(N-1) / (t_last - "
+                "t_first), both spans timed inside one generate call, each the fastest of "
+                "`repeats` calls, the sides' calls interleaved; warm-up and compilation "
+                "excluded; greedy, no EOS stop. roofline tok/s = B / (weight bytes per "
+                "decode step / numpy-copy bandwidth), with routed experts counted as "
+                "E*(1-(1-k/E)^B) expected distinct experts per MoE layer; roofline_with_state "
+                "adds KDA state read+write and MLA cache reads."
             ),
         },
     )
