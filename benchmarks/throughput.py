@@ -419,6 +419,7 @@ def parse_args(argv):
         help="comma-separated torch thread counts, each a side; the faster one is reported",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="throughput", help="results/<JSON>.json")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--quick", action="store_true", help="smoke run: B 1,2, prompt 16, N 8")
     a = p.parse_args(argv)
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(rows, columns)
     wall = time.perf_counter() - t_start
     path = write_json(
-        "throughput",
+        a.json,
         rows,
         {
             "preset": "small",
