@@ -72,6 +72,8 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         # Other load on the machine skews timings (multi-threaded torch most of all).
         "loadavg_1_5_15m": list(os.getloadavg()),
+        # Allocator settings change CPU step times (decode_profile.py: fresh temp pages).
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
 
 

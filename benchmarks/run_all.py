@@ -17,6 +17,7 @@ sys.path.insert(0, HERE)
 
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
+import decode_profile  # noqa: E402
 import mla_decode  # noqa: E402
 import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
@@ -45,8 +46,11 @@ BENCHMARKS = {
     "dcp_combine": dcp_combine,
     # The release's memory per device, collective bytes per layer, step time at tp 1 / 4 / 8.
     "parallel": parallel,
-    # Offline generation vs transformers' generate at B 1 8 32 (about 10 min on 2 cores).
+    # Offline generation vs transformers' generate at B 1 8 32, best of 3 interleaved (3-6 min
+    # on 2 cores, more under load).
     "throughput": throughput.main,
+    # Where a decode step's time goes, per part of the model (built-in default model, B 1 8).
+    "decode_profile": decode_profile.main,
     # Oracle / n-gram / draft-model speculation vs plain decode, small preset, B 1 8.
     "speculative": speculative.main,
     # The verify's replay vs gather commit: memory at the release's shapes, time here.
