@@ -71,6 +71,22 @@ class Sample(NamedTuple):
     top: list[tuple[int, float]] | None = None
 
 
+class InFlight(NamedTuple):
+    """A dispatched decode step whose picks ([B, S, ...] device arrays) are not fetched yet."""
+
+    output: SchedulerOutput
+    picked: tuple
+    mode: str
+
+
+@jax.jit
+def _next_ids(prev_tokens, host_ids, src):
+    """Decode inputs [B]: the host's token where src < 0, else the in-flight step's pick at
+    flat index src of its tokens [B', S'] (the token it sampled last for that request)."""
+    flat = prev_tokens.reshape(-1)
+    return jnp.where(src >= 0, flat[jnp.maximum(src, 0)], host_ids)
+
+
 class StepResult(NamedTuple):
     """What a step measured, for the scheduler to apply: each sampling row's samples in
     order, and the drafts each verify row proposed (it accepted len(samples) - 1)."""
@@ -194,7 +210,8 @@ class ModelRunner:
         row, given greedy params). Counts and prompt masks are [b, V] only in penalized mode."""
         greedy = SamplingParams(temperature=0.0, seed=0)
         params = [r.params if r is not None else greedy for r in requests]
-        steps = [len(r.output_token_ids) if r is not None else 0 for r in requests]
+        # The PRNG stream position counts pending tokens (async scheduling) as drawn.
+        steps = [len(r.output_token_ids) + r.num_pending if r is not None else 0 for r in requests]
         params += [greedy] * (b - len(params))
         steps += [0] * (b - len(steps))
         sampling = SamplingBatch.from_params(params, steps, b)
@@ -271,12 +288,19 @@ class ModelRunner:
         return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
 
     def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
+        return self.collect(self.dispatch_decode(output)).samples
+
+    def dispatch_decode(self, output: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """Dispatch a decode step without waiting for its tokens. A row whose last token is
+        still pending (`num_pending`, async scheduling) reads it on the device from `prev`,
+        the step that sampled it (dispatched before, so it has run by then)."""
         requests = output.decode
         b, batch = self._batch([output.placement[r.request_id] for r in requests])
         ids = np.zeros(b, np.int32)
         steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
-            ids[i] = r.all_token_ids[r.num_tokens - 1]
+            if r.num_pending == 0:
+                ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = output.decode_steps[i]
         # Two compiled step counts only: 1 and the configured fusion depth.
         num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
@@ -285,7 +309,7 @@ class ModelRunner:
         picked, _, self.cache = decode_steps(
             self.graphdef,
             self.params,
-            jnp.asarray(ids),
+            self._ids(requests, ids, prev),
             self.cache,
             batch,
             jnp.asarray(steps_left),
@@ -293,11 +317,34 @@ class ModelRunner:
             num_steps=num_steps,
             mode=mode,
         )
-        samples = _samples(jax.device_get(picked), rows, mode)  # one transfer
-        return {
+        return InFlight(output, picked, mode)
+
+    def _ids(self, requests: Sequence[Request], host_ids: np.ndarray, prev: InFlight | None):
+        """The step's input tokens: the host's, or for pending rows `prev`'s picks."""
+        pending = [i for i, r in enumerate(requests) if r.num_pending]
+        if not pending:
+            return jnp.asarray(host_ids)
+        if prev is None:
+            raise ValueError("pending tokens need the step that sampled them")
+        prev_tokens = prev.picked[0]
+        width = prev_tokens.shape[1]
+        where = {r.request_id: j for j, r in enumerate(prev.output.decode)}
+        src = np.full(len(host_ids), -1, np.int32)
+        for i in pending:
+            j = where[requests[i].request_id]
+            src[i] = j * width + prev.output.decode_steps[j] - 1
+        return _next_ids(prev_tokens, jnp.asarray(host_ids), jnp.asarray(src))
+
+    def collect(self, flight: InFlight) -> StepResult:
+        """Wait for a dispatched decode step's picks (one transfer): each row's samples."""
+        output = flight.output
+        rows: list[Request | None] = list(output.decode)
+        samples = _samples(jax.device_get(flight.picked), rows, flight.mode)
+        by_row = {
             r.request_id: row[: output.decode_steps[i]]
-            for i, (r, row) in enumerate(zip(requests, samples, strict=True))
+            for i, (r, row) in enumerate(zip(output.decode, samples, strict=True))
         }
+        return StepResult(by_row, {})
 
     def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""
