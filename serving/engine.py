@@ -5,7 +5,9 @@ Each request goes to a `Scheduler` (continuous batching, chunked prefill, preemp
 recompute, fused decode steps); `step` runs `schedule -> ModelRunner.run -> update` once and
 applies the host-side rules: stop strings (the text is cut before the stop string, the token
 ids end with the token that completed it; the scheduler truncates and finishes the request,
-since only the scheduler changes a request) and logprob bookkeeping.
+since only the scheduler changes a request) and logprob bookkeeping. With
+`async_scheduling=True` a plain decode step stays in flight between calls and the next call
+dispatches the following step before applying its tokens (`LLM._step_async`).
 
 Invalid input: `add_request` raises ValueError naming the field and the limit (empty prompt,
 token id outside the vocabulary, text without a tokenizer, prompt + max_tokens past
@@ -147,7 +149,9 @@ class LLM:
     split between state slots and pages by `state_memory_ratio` (sglang's ratio);
     `max_num_seqs` then caps the planned count. Else fixed defaults (256 pages, 8 slots).
     `self.memory_plan` holds the plan (None for fixed pools). `dtype="auto"`: the checkpoint's
-    torch_dtype, float32 for the built-in model; the KDA state is fp32 whatever the dtype."""
+    torch_dtype, float32 for the built-in model; the KDA state is fp32 whatever the dtype.
+    `async_scheduling=True` overlaps the host's work on a decode step's tokens with the
+    device's next step; outputs do not change (README, "Async scheduling")."""
 
     def __init__(
         self,
