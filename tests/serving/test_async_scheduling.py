@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
 from kimi_linear_jax.config import preset
@@ -122,6 +123,12 @@ def test_preemption_and_penalties(model):
     run_both(engine(model, num_scheduler_steps=4), PROMPTS, params)
 
 
+def test_dcp4(model):
+    """The step dispatched ahead reads the in-flight step's tokens from their DCP placement."""
+    outs, llm = run_both(engine(model, dcp_size=4), PROMPTS, LOGPROBS)
+    assert llm.metrics()["overlapped_steps"] > 0
+
+
 def _abort_run(llm, after: int):
     """Step API: abort request 1 once `after` of its tokens were returned; final outputs."""
     rids = [llm.add_request(p, LOGPROBS) for p in PROMPTS]
@@ -145,28 +152,35 @@ def test_abort_mid_run_via_the_step_api(model):
     assert llm.metrics()["overlapped_steps"] > 0
 
 
-def _fault_at(llm, method: str, call: int):
-    """Make the runner's `call`-th call of `method` (0-based) raise."""
+def _fault_at(llm, method: str, call: int, lose_caches: bool):
+    """Make the runner's `call`-th call of `method` (0-based) raise, after consuming the caches
+    as a failed donated call would when `lose_caches`."""
     real, calls = getattr(llm.runner, method), []
 
     def faulty(*args):
         calls.append(1)
         if len(calls) == call + 1:
+            if lose_caches:
+                for x in jax.tree.leaves(llm.runner.cache):
+                    x.delete()
             raise RuntimeError("injected fault")
         return real(*args)
 
     setattr(llm.runner, method, faulty)
 
 
-@pytest.mark.parametrize("method", ["dispatch_decode", "collect"])
-def test_fault_in_a_decode_step(model, free_run, method):
+@pytest.mark.parametrize(
+    ("method", "lose_caches"),
+    [("dispatch_decode", False), ("dispatch_decode", True), ("collect", False)],
+)
+def test_fault_in_a_decode_step(model, free_run, method, lose_caches):
     """A fault when the fourth decode step is dispatched, or when its tokens are fetched: its
     requests end with the error and the tokens of the steps before it, as synchronously (an
     async fetch fault also fails the step dispatched after it, which ran on its results)."""
 
     def make(**on):
         llm = make_llm(model, **on)
-        _fault_at(llm, method, 3)
+        _fault_at(llm, method, 3, lose_caches)
         return llm
 
     outs, llm = run_both(make, PROMPTS, LOGPROBS)
