@@ -20,6 +20,12 @@ Decode is `num_decode_steps` steps fused in one `lax.scan` (`decode.decode_steps
 feeds back the token it picked) when the scheduler asks for more than one
 (`SchedulerOutput.decode_steps`, decode-only steps), else one step.
 
+Async scheduling: `dispatch_decode` returns an `InFlight` step without fetching its tokens and
+`collect` fetches them later. A row whose input token is still on the device (sampled by the
+step dispatched before, not collected yet: `Request.num_pending > 0`) reads it from that step's
+output (`_next_ids`), so a decode batch can be built before the host knows its tokens. The
+model step itself is the same compiled call either way.
+
 Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
 so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /

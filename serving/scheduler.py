@@ -25,6 +25,11 @@ cost of recomputation. The runner must zero a request's slot (`reset_slots`) for
 
 Pages: a step needs pages for the tokens it computes (`start + length`); the token sampled at
 the end of a step gets its KV in the next step.
+
+Async scheduling: `advance` marks a dispatched plain decode step's tokens as pending (counted
+as computed and as sequence tokens, not appended), so the next step can be scheduled before
+they arrive, when `can_schedule_ahead` says that step is the one synchronous scheduling would
+make; `update` appends them later and drops those of a request that finished meanwhile.
 """
 
 from __future__ import annotations
@@ -300,18 +305,20 @@ class Scheduler:
         state that has no extra token in it)."""
         if self.speculative or self.waiting or len(self.running) > self.max_num_batched_tokens:
             return False
-        missing = 0
+        missing, rows = 0, 0
         for request in self.running:
             if request.num_uncomputed != 1 or request.params.has_penalty:
                 return False
             steps = self._decode_want(request)
+            if steps == 0:
+                continue  # it ends (max_tokens) when its pending tokens arrive
             end = request.num_computed_tokens + steps
-            if steps and self.track_interval is not None and end % self.track_interval == 0:
+            if self.track_interval is not None and end % self.track_interval == 0:
                 return False
             owned = len(self.allocator.pages(request.request_id))
             missing += max(0, self.allocator.pages_for(end) - owned)
-        rows = any(self._decode_want(r) for r in self.running)
-        return rows and missing <= self.allocator.num_free
+            rows += 1
+        return rows > 0 and missing <= self.allocator.num_free
 
     # ---- placement -----------------------------------------------------------------------
 
