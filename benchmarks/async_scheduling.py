@@ -13,7 +13,9 @@ Per run it records when each decode step is dispatched and when its tokens are f
   step was dispatched before the fetch;
 - device ms per step: the same compiled decode step run back to back with nothing else
   (the device's share of a step, measured in the same run);
-- device idle: 1 - steps * device ms / the decode steps' wall time.
+- device idle: 1 - steps * device ms / the decode steps' wall time;
+- vs sync: the fastest async call over the fastest sync call, and the median over repeats of
+  async over the sync call just before it (the two ran under about the same load).
 
 On a CPU the "device" is the same cores as the host, so the host's work competes with XLA's
 threads: expect small gains there.
@@ -151,6 +153,7 @@ def measure(batch: int, tokens: int, repeats: int) -> list[dict]:
     device_ms = timings["device"]["min_s"] / DEVICE_STEPS * 1e3
     base = None
     rows = []
+    paired = [a / s for s, a in zip(timings[False]["all"], timings[True]["all"], strict=True)]
     for on in (False, True):
         wall, stats = best(timings[on], logs[on])
         ms_token = wall / tokens * 1e3
@@ -162,6 +165,7 @@ def measure(batch: int, tokens: int, repeats: int) -> list[dict]:
                 scheduling="async" if on else "sync",
                 ms_per_token=ms_token,
                 vs_sync=ms_token / base,
+                vs_sync_paired=statistics.median(paired) if on else 1.0,
                 ms_per_step=step_ms,
                 device_ms_per_step=device_ms,
                 device_idle_pct=max(0.0, 100 * (1 - device_ms / step_ms)),
@@ -179,6 +183,7 @@ COLUMNS = [
     "scheduling",
     "ms_per_token",
     "vs_sync",
+    "vs_sync_paired",
     "ms_per_step",
     "device_ms_per_step",
     "device_idle_pct",
