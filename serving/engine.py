@@ -506,8 +506,15 @@ class LLM:
             return done + self._fail_step(output, e)
 
     def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
-        """Dispatch the next plain decode step, then collect `flight`'s tokens."""
+        """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
+        step could compile differently without some of its rows (synchronous scheduling runs
+        it without the rows that `flight`'s tokens finish, or that are aborted meanwhile, and
+        the other rows' results may change in the last bits with the batch bucket): then
+        collect first and dispatch what remains."""
         output = self._schedule()
+        if not self.runner.same_program_for_any_rows(output):
+            done = self._collect(flight, touched)
+            return done + self._launch_survivors(output)
         try:
             ahead = self._launch(output, flight)
         except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
@@ -519,6 +526,18 @@ class LLM:
         if self._flight is not None and not self.scheduler.has_unfinished():
             self._flight = None
         return done
+
+    def _launch_survivors(self, output) -> list[str]:
+        """Leave in flight the rows of `output` (scheduled ahead) whose requests still run."""
+        self.scheduler.drop_finished(output)
+        if output.is_empty:
+            self._counters["steps"] -= 1  # every row ended: synchronously it is no step
+            return []
+        try:
+            self._flight = self._launch(output, None)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            return self._fail_step(output, e)
+        return []
 
     def _launch(self, output, prev: InFlight | None) -> InFlight:
         flight = self.runner.dispatch_decode(output, prev)

@@ -195,6 +195,26 @@ class ModelRunner:
             width *= 2
         return min(width, self.max_pages_per_seq)
 
+    def _num_steps(self, steps: Sequence[int]) -> int:
+        """Two compiled step counts only: 1 and the configured fusion depth."""
+        return 1 if max(steps) == 1 else self.num_decode_steps
+
+    def decode_program(self, placements: Sequence[Placement], steps: Sequence[int]):
+        """What a decode step over these rows compiles to: (batch bucket, block-table width,
+        fused steps). A row's results may change with it (XLA picks other kernels and
+        reduction orders for other shapes: batch 1 and 2 differ in the last bits on a CPU)."""
+        b = bucket(len(placements), self.batch_buckets)
+        return b, self._width(placements), self._num_steps(steps)
+
+    def same_program_for_any_rows(self, output: SchedulerOutput) -> bool:
+        """Whether every nonempty subset of the step's decode rows compiles to the same
+        program. Bucket, width and fused steps only grow with the rows, so each row alone
+        having the program of all rows suffices."""
+        rows = [output.placement[r.request_id] for r in output.decode]
+        steps = output.decode_steps
+        whole = self.decode_program(rows, steps)
+        return all(self.decode_program([p], [n]) == whole for p, n in zip(rows, steps, strict=True))
+
     def _batch(self, placements: Sequence[Placement]) -> tuple[int, Batch]:
         """(bucket size, Batch) of the rows `placements`, padded with null rows."""
         b = bucket(len(placements), self.batch_buckets)
@@ -308,8 +328,7 @@ class ModelRunner:
             if r.num_pending == 0:
                 ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = output.decode_steps[i]
-        # Two compiled step counts only: 1 and the configured fusion depth.
-        num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
+        num_steps = self._num_steps(output.decode_steps)
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
         picked, _, self.cache = decode_steps(

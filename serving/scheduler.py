@@ -320,6 +320,15 @@ class Scheduler:
             rows += 1
         return rows > 0 and missing <= self.allocator.num_free
 
+    def drop_finished(self, output: SchedulerOutput) -> None:
+        """Remove the decode rows of requests that ended since `output` was scheduled ahead
+        (the tokens then in flight finished them, or an abort): what remains is the step
+        synchronous scheduling makes now (the same rows, steps and pages)."""
+        keep = [i for i, r in enumerate(output.decode) if not r.is_finished]
+        output.decode = [output.decode[i] for i in keep]
+        output.decode_steps = [output.decode_steps[i] for i in keep]
+        output.placement = {r.request_id: output.placement[r.request_id] for r in output.decode}
+
     # ---- placement -----------------------------------------------------------------------
 
     def _place(self, out: SchedulerOutput) -> None:

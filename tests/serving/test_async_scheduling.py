@@ -109,6 +109,20 @@ def test_stops_eos_and_max_tokens_apply_one_step_late(model, free_run, fused):
     assert llm.metrics()["overlapped_steps"] > 0
 
 
+def test_several_batch_buckets(model, free_run):
+    """Batch 1 and 2 compile differently (the last bits of logprobs differ on a CPU): a step
+    that could lose rows to a stop or an abort, and so run in another bucket synchronously,
+    waits for the tokens in flight; the last request alone overlaps."""
+    params = [
+        dataclasses.replace(LOGPROBS, stop_token_ids=(free_run[0][2],)),
+        dataclasses.replace(LOGPROBS, stop_token_ids=(free_run[1][6],)),
+        LOGPROBS,
+    ]
+    outs, llm = run_both(engine(model, batch_buckets=(1, 2, 4)), PROMPTS, params)
+    assert [len(o.token_ids) for o in outs] == [3, 7, 12]
+    assert llm.metrics()["overlapped_steps"] > 0
+
+
 def test_preemption_and_penalties(model):
     """More requests than slots and pages: admissions and preemptions synchronise, decodes
     between them overlap. Penalised rows (their counts need the host's tokens) synchronise."""

@@ -9,6 +9,7 @@ tokens, a slot not reset on a fresh start, or a wrong block table changes the ou
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import pytest
@@ -450,12 +451,14 @@ class AsyncFakeRunner(FakeRunner):
         return next_token(state)
 
 
-def run_async(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps=5000) -> int:
+def run_async(sched, arrivals, max_steps=5000, dispatch_first=lambda out: True) -> int:
     """The engine's async protocol (`LLM._step_async`): with a plain decode step in flight,
-    schedule and dispatch the next one when the scheduler allows, then apply the earlier
-    tokens; otherwise apply them first and run synchronously (leaving a plain decode step in
-    flight). Returns the steps scheduled ahead."""
-    runner, flight, ahead, step = AsyncFakeRunner(sched), None, 0, 0
+    schedule the next one when the scheduler allows and dispatch it before applying the
+    earlier tokens (unless `dispatch_first(out)` says no, as the engine does for a step that
+    could compile differently without some rows: then apply them, drop the rows that ended
+    and dispatch the rest); otherwise apply them first and run synchronously (leaving a
+    plain decode step in flight). Returns (steps dispatched ahead, steps that waited)."""
+    runner, flight, ahead, waited, step = AsyncFakeRunner(sched), None, 0, 0, 0
     while sched.has_unfinished() or flight or any(s >= step for s in arrivals):
         for r in arrivals.get(step, []):
             sched.add(r)
@@ -464,10 +467,18 @@ def run_async(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps=50
         if flight is not None and sched.can_schedule_ahead():
             out = sched.schedule()
             check_invariants(sched, out)
-            nxt = runner.dispatch(out, flight)
-            sched.advance(out)
+            if dispatch_first(out):
+                nxt = runner.dispatch(out, flight)
+                sched.advance(out)
+                sched.update(flight.out, flight.sampled)
+                flight, ahead = nxt, ahead + 1
+                continue
             sched.update(flight.out, flight.sampled)
-            flight, ahead = nxt, ahead + 1
+            sched.drop_finished(out)
+            flight = runner.dispatch(out, None) if out.decode else None
+            if out.decode:
+                sched.advance(out)
+            waited += 1
             continue
         if flight is not None:
             sched.update(flight.out, flight.sampled)
@@ -483,18 +494,28 @@ def run_async(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps=50
             sched.update(out, runner.step(out))
     assert sched.allocator.num_free == sched.allocator.capacity
     assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
-    return ahead
+    return ahead, waited
+
+
+def every_nth_waits(n: int):
+    """A `dispatch_first` that says no on every n-th call (never for n = 0)."""
+    calls = itertools.count(1)
+    return lambda out: n == 0 or next(calls) % n != 0
 
 
 @pytest.mark.parametrize("fuse", [1, 3])
-def test_async_schedule_keeps_outputs(fuse):
+@pytest.mark.parametrize("wait_every", [0, 2])
+def test_async_schedule_keeps_outputs(fuse, wait_every):
     """Stops (EOS, max_tokens) apply one step late and the extra tokens are dropped; requests
-    arriving mid-run, preemption in a small pool and fused steps keep their outputs."""
+    arriving mid-run, preemption in a small pool and fused steps keep their outputs. With
+    `wait_every` 2, every other step scheduled ahead waits for the tokens in flight and
+    drops the rows they ended."""
     for pages in (64, 14):
         reqs = requests(SPECS, eos_ids=(EOS,))
         sched = make(num_pages=pages, budget=16, eos=(EOS,), fuse=fuse)
-        ahead = run_async(sched, {0: reqs[:4], 3: reqs[4:]})
-        assert ahead > 0
+        first = every_nth_waits(wait_every)
+        ahead, waited = run_async(sched, {0: reqs[:4], 3: reqs[4:]}, dispatch_first=first)
+        assert ahead > 0 and (waited > 0) == (wait_every > 0)
         assert (pages == 14) == any(r.num_preemptions for r in reqs)
         for r in reqs:
             want = expected_output(r.prompt_token_ids, r.params, (EOS,))
@@ -530,8 +551,11 @@ def test_advance_takes_only_plain_decode_steps():
     budget=st.integers(1, 24),
     fuse=st.integers(1, 4),
     use_eos=st.booleans(),
+    wait_every=st.integers(0, 3),
 )
-def test_async_random_workloads(specs, page_size, extra_pages, num_slots, budget, fuse, use_eos):
+def test_async_random_workloads(
+    specs, page_size, extra_pages, num_slots, budget, fuse, use_eos, wait_every
+):
     eos = (EOS,) if use_eos else ()
     reqs = requests([(n, m, seed) for n, m, seed, _ in specs], eos_ids=eos)
     need = max(PageAllocator(2, page_size).pages_for(n + m - 1) for n, m, _, _ in specs)
@@ -539,7 +563,7 @@ def test_async_random_workloads(specs, page_size, extra_pages, num_slots, budget
     arrivals: dict[int, list[Request]] = {}
     for r, (_, _, _, at) in zip(reqs, specs, strict=True):
         arrivals.setdefault(at, []).append(r)
-    run_async(sched, arrivals, max_steps=3000)
+    run_async(sched, arrivals, 3000, every_nth_waits(wait_every))
     for r in reqs:
         want = expected_output(r.prompt_token_ids, r.params, eos)
         assert (r.output_token_ids, r.finish_reason) == want
