@@ -488,33 +488,38 @@ class LLM:
         scheduled and dispatched before the in-flight step's tokens are fetched: its rows read
         them on the device, and the host applies them (stops, logprobs, outputs) while the
         device runs the next step. Other steps (prefill chunks, verifies, snapshots, a step
-        after which a request waits for admission) first collect what is in flight and run as
-        in synchronous scheduling; a plain decode step among them is left in flight."""
+        after which a request waits for admission) first collect what is in flight and start
+        as in synchronous scheduling (`_start`)."""
         flight, self._flight = self._flight, None
         if flight is not None and self.scheduler.can_schedule_ahead():
             return self._step_ahead(flight, touched)
         done = self._collect(flight, touched) if flight is not None else []
         if not self.scheduler.has_unfinished():
             return done
-        output = self._schedule()
+        return done + self._start(self._schedule(), touched + done)
+
+    def _start(self, output, touched: list[str]) -> list[str]:
+        """Run a step scheduled with every token known. A plain decode step stays in flight
+        (the next call dispatches the following step before fetching its tokens) if it
+        compiles to the same program without any of its rows; any other step runs now."""
         try:
-            if output.is_plain_decode:
+            if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
                 self._flight = self._launch(output, None)
-                return done
-            return done + self._run_step(output, touched + done)
+                return []
+            return self._run_step(output, touched)
         except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            return done + self._fail_step(output, e)
+            return self._fail_step(output, e)
 
     def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
         """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
-        step could compile differently without some of its rows (synchronous scheduling runs
-        it without the rows that `flight`'s tokens finish, or that are aborted meanwhile, and
-        the other rows' results may change in the last bits with the batch bucket): then
-        collect first and dispatch what remains."""
+        step could compile differently without some of its rows: synchronous scheduling runs
+        it without the rows that `flight`'s tokens finish or that are aborted before its
+        tokens are fetched, and the other rows' results may change in the last bits with
+        the batch bucket. Then collect first and start what remains."""
         output = self._schedule()
         if not self.runner.same_program_for_any_rows(output):
             done = self._collect(flight, touched)
-            return done + self._launch_survivors(output)
+            return done + self._start_survivors(output, touched + done)
         try:
             ahead = self._launch(output, flight)
         except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
@@ -527,17 +532,13 @@ class LLM:
             self._flight = None
         return done
 
-    def _launch_survivors(self, output) -> list[str]:
-        """Leave in flight the rows of `output` (scheduled ahead) whose requests still run."""
+    def _start_survivors(self, output, touched: list[str]) -> list[str]:
+        """Start the rows of `output` (scheduled ahead) whose requests still run."""
         self.scheduler.drop_finished(output)
         if output.is_empty:
             self._counters["steps"] -= 1  # every row ended: synchronously it is no step
             return []
-        try:
-            self._flight = self._launch(output, None)
-        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            return self._fail_step(output, e)
-        return []
+        return self._start(output, touched)
 
     def _launch(self, output, prev: InFlight | None) -> InFlight:
         flight = self.runner.dispatch_decode(output, prev)

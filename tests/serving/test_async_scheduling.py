@@ -143,9 +143,9 @@ def test_dcp4(model):
     assert llm.metrics()["overlapped_steps"] > 0
 
 
-def _abort_run(llm, after: int):
+def _abort_run(llm, prompts, after: int):
     """Step API: abort request 1 once `after` of its tokens were returned; final outputs."""
-    rids = [llm.add_request(p, LOGPROBS) for p in PROMPTS]
+    rids = [llm.add_request(p, LOGPROBS) for p in prompts]
     final, aborted = {}, False
     while llm.has_unfinished_requests():
         for out in llm.step():
@@ -158,10 +158,14 @@ def _abort_run(llm, after: int):
     return [fields(final[rid]) for rid in rids]
 
 
-def test_abort_mid_run_via_the_step_api(model):
-    sync = _abort_run(make_llm(model), after=3)
-    llm = make_llm(model, async_scheduling=True)
-    assert _abort_run(llm, after=3) == sync
+@pytest.mark.parametrize("buckets", [(4,), (1, 2, 4)])
+def test_abort_mid_run_via_the_step_api(model, buckets):
+    """With buckets 1 and 2, the step in flight when request 1 is aborted must not hold two
+    rows: synchronously request 0 then decodes alone, in bucket 1."""
+    prompts = PROMPTS if len(buckets) == 1 else PROMPTS[:2]
+    sync = _abort_run(make_llm(model, batch_buckets=buckets), prompts, after=3)
+    llm = make_llm(model, batch_buckets=buckets, async_scheduling=True)
+    assert _abort_run(llm, prompts, after=3) == sync
     assert sync[1][5] == "abort" and len(sync[1][1]) == 3
     assert llm.metrics()["overlapped_steps"] > 0
 
