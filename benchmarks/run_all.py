@@ -15,6 +15,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import async_scheduling  # noqa: E402
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import decode_profile  # noqa: E402
@@ -59,6 +60,8 @@ BENCHMARKS = {
     "pool_size": pool_size.main,
     # TTFT and prefill tokens saved, 2k-token shared prefix, cache on vs off.
     "prefix_cache": prefix_cache.main,
+    # Async vs sync scheduling: ms per token, host time on the critical path, device idle.
+    "async_scheduling": async_scheduling.main,
 }
 
 

@@ -67,6 +67,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     for flag, kind, default, text in ENGINE_FLAGS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="dispatch the next decode step before the last one's tokens reach the host",
+    )
     par = p.add_argument_group("devices (one mesh: TP over heads, experts and vocab; DCP in it)")
     par.add_argument(
         "--tensor-parallel-size",
@@ -231,6 +236,7 @@ def llm_from_args(args):
         dcp_size=args.dcp_size,
         replicate_q_proj=args.replicate_q_proj,
         dcp_combine=args.dcp_combine,
+        async_scheduling=args.async_scheduling,
         **{name: getattr(args, name) for name in names},
     )
 

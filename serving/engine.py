@@ -5,7 +5,9 @@ Each request goes to a `Scheduler` (continuous batching, chunked prefill, preemp
 recompute, fused decode steps); `step` runs `schedule -> ModelRunner.run -> update` once and
 applies the host-side rules: stop strings (the text is cut before the stop string, the token
 ids end with the token that completed it; the scheduler truncates and finishes the request,
-since only the scheduler changes a request) and logprob bookkeeping.
+since only the scheduler changes a request) and logprob bookkeeping. With
+`async_scheduling=True` a plain decode step stays in flight between calls and the next call
+dispatches the following step before applying its tokens (`LLM._step_async`).
 
 Invalid input: `add_request` raises ValueError naming the field and the limit (empty prompt,
 token id outside the vocabulary, text without a tokenizer, prompt + max_tokens past
@@ -39,7 +41,7 @@ from serving.allocator import PageAllocator
 from serving.memory import PoolOptions, plan_pools
 from serving.prefix_cache import PrefixCache
 from serving.request import Request
-from serving.runner import ModelRunner
+from serving.runner import InFlight, ModelRunner
 from serving.sampling import SamplingParams, is_int, resolve_seed
 from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
@@ -158,7 +160,10 @@ class LLM:
     environment variables) joins the group before anything touches a device; every process
     then builds the same engine over one mesh of all their devices and must be given the same
     requests in the same order (`parallel/distributed.py`). A step fault then raises instead
-    of failing only its requests: the processes could no longer stay in step."""
+    of failing only its requests: the processes could no longer stay in step.
+
+    `async_scheduling=True` overlaps the host's work on a decode step's tokens with the
+    device's next step; outputs do not change (README, "Async scheduling")."""
 
     def __init__(
         self,
@@ -189,6 +194,7 @@ class LLM:
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
         token_buckets: Sequence[int] = (16, 64, 256),
         distributed: dict | Distributed | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         # Join the process group first: nothing may touch a device before (see
         # `parallel/distributed.py`; None reads the KIMI_* environment variables).
@@ -215,6 +221,8 @@ class LLM:
             raise ValueError(f"state_memory_ratio must be a number > 0, got {state_memory_ratio!r}")
         if device_memory is not None:
             parse_bytes(device_memory)  # a bad size fails before the load
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         # Option errors before the (possibly slow) model load; the parallel plan is checked
         # against the config alone (heads, experts, vocab vs the TP degree, devices present).
         self.speculative = SpeculativeConfig.parse(speculative)
@@ -309,6 +317,9 @@ class LLM:
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._counters["step_seconds"] = 0.0
         self.last_error: str | None = None  # the last step fault (the server's /health shows it)
+        self.async_scheduling = async_scheduling
+        self._flight: InFlight | None = None  # async: the dispatched step not yet collected
+        self._overlapped = 0  # async: steps dispatched before their predecessor's tokens came
 
     # ---- public API: batches ---------------------------------------------------------------
 
@@ -363,7 +374,9 @@ class LLM:
         return self._generate(prompts, list(sampling_params), use_tqdm)
 
     def metrics(self) -> dict[str, int | float]:
-        """Counters since start-up plus the current load (and speculation, when on)."""
+        """Counters since start-up plus the current load (and speculation and async scheduling,
+        when on: `overlapped_steps` counts steps dispatched before the previous step's tokens
+        reached the host)."""
         out = dict(self._counters)
         if self.speculative is not None:
             spec = self.runner.spec_counts
@@ -375,6 +388,8 @@ class LLM:
                 # Tokens a request gains per verify (accepted drafts + the bonus token).
                 spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
             )
+        if self.async_scheduling:
+            out["overlapped_steps"] = self._overlapped
         if self.prefix_cache is not None:
             stats = self.prefix_cache.stats
             out.update({f"prefix_cache_{k}": v for k, v in stats.items()})
@@ -435,22 +450,15 @@ class LLM:
         """Run one scheduled step. Returns the output (cumulative so far) of every request that
         got tokens or finished in it, including requests aborted since the last step."""
         touched = [rid for rid, t in self._tracked.items() if t.request.is_finished]
-        if self.scheduler.has_unfinished():
+        if self._flight is not None or self.scheduler.has_unfinished():
             t0 = time.perf_counter()
-            output = self.scheduler.schedule()
-            if output.is_empty:
-                raise RuntimeError("scheduler made no progress")
-            try:
-                touched += self._run_step(output, touched)
-            except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-                if distributed_mod.multi_process():
-                    # The processes may no longer be in step (one may have failed alone):
-                    # stop rather than run different steps into a collective that hangs.
-                    where = f"process {jax.process_index()}"
-                    raise RuntimeError(f"engine step failed on {where}: {e}") from e
-                touched += self._fail_step(output, e)
-            self._counters["steps"] += 1
+            if self.async_scheduling:
+                touched += self._step_async(touched)
+            else:
+                touched += self._step_sync(touched)
             self._counters["step_seconds"] += time.perf_counter() - t0
+        # A request may progress in one step and fail in the next within one call (async).
+        touched = list(dict.fromkeys(touched))
         outputs = [self._output(self._tracked[rid]) for rid in touched]
         for out in outputs:
             if out.finished:
@@ -460,10 +468,30 @@ class LLM:
 
     # ---- helpers ---------------------------------------------------------------------------
 
+    def _schedule(self):
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            raise RuntimeError("scheduler made no progress")
+        self._counters["steps"] += 1
+        return output
+
+    def _step_sync(self, touched: list[str]) -> list[str]:
+        output = self._schedule()
+        try:
+            return self._run_step(output, touched)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            return self._fail_step(output, e)
+
     def _run_step(self, output, touched: list[str]) -> list[str]:
         """Run the scheduled step and apply its tokens; the ids of the requests it advanced."""
-        result = self.runner.run(output)
-        sampled = result.samples
+        return self._apply(output, self.runner.run(output), touched)
+
+    def _apply(self, output, result, touched: list[str]) -> list[str]:
+        """Apply a step's tokens (scheduler, logprobs, stop strings); the ids it advanced."""
+        # Async scheduling: a row of a request that ended while its step was in flight (an
+        # abort, a stop in the step before) drops its tokens; its output may be gone already.
+        live = {r.request_id for r in output.rows if not r.is_finished}
+        sampled = {rid: s for rid, s in result.samples.items() if rid in live}
         before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
         tokens = {rid: [s.token for s in v] for rid, v in sampled.items()}
         self.scheduler.update(output, tokens, result.num_drafts)
@@ -473,11 +501,92 @@ class LLM:
         self._counters["prefill_tokens"] += sum(c.length for c in output.prefill)
         return [rid for rid in sampled if rid not in touched]
 
+    # ---- async scheduling: host work of one step overlaps the device work of the next -------
+
+    def _step_async(self, touched: list[str]) -> list[str]:
+        """One call of async scheduling. With a plain decode step in flight, the next one is
+        scheduled and dispatched before the in-flight step's tokens are fetched: its rows read
+        them on the device, and the host applies them (stops, logprobs, outputs) while the
+        device runs the next step. Other steps (prefill chunks, verifies, snapshots, a step
+        after which a request waits for admission) first collect what is in flight and start
+        as in synchronous scheduling (`_start`)."""
+        flight, self._flight = self._flight, None
+        if flight is not None and self.scheduler.can_schedule_ahead():
+            return self._step_ahead(flight, touched)
+        done = self._collect(flight, touched) if flight is not None else []
+        if not self.scheduler.has_unfinished():
+            return done
+        return done + self._start(self._schedule(), touched + done)
+
+    def _start(self, output, touched: list[str]) -> list[str]:
+        """Run a step scheduled with every token known. A plain decode step stays in flight
+        (the next call dispatches the following step before fetching its tokens) if it
+        compiles to the same program without any of its rows; any other step runs now."""
+        try:
+            if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
+                self._flight = self._launch(output, None)
+                return []
+            return self._run_step(output, touched)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            return self._fail_step(output, e)
+
+    def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
+        """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
+        step could compile differently without some of its rows: synchronous scheduling runs
+        it without the rows that `flight`'s tokens finish or that are aborted before its
+        tokens are fetched, and the other rows' results may change in the last bits with
+        the batch bucket. Then collect first and start what remains."""
+        output = self._schedule()
+        if not self.runner.same_program_for_any_rows(output):
+            done = self._collect(flight, touched)
+            return done + self._start_survivors(output, touched + done)
+        try:
+            ahead = self._launch(output, flight)
+        except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
+            done = self._collect(flight, touched)
+            return done + self._fail_step(output, e)
+        self._overlapped += 1
+        done = self._collect(flight, touched, ahead)
+        # With nothing left unfinished, every row of `ahead` ended: its tokens would be dropped.
+        if self._flight is not None and not self.scheduler.has_unfinished():
+            self._flight = None
+        return done
+
+    def _start_survivors(self, output, touched: list[str]) -> list[str]:
+        """Start the rows of `output` (scheduled ahead) whose requests still run."""
+        self.scheduler.drop_finished(output)
+        if output.is_empty:
+            self._counters["steps"] -= 1  # every row ended: synchronously it is no step
+            return []
+        return self._start(output, touched)
+
+    def _launch(self, output, prev: InFlight | None) -> InFlight:
+        flight = self.runner.dispatch_decode(output, prev)
+        self.scheduler.advance(output)
+        return flight
+
+    def _collect(self, flight: InFlight, touched: list[str], ahead: InFlight | None = None):
+        """Fetch and apply `flight`'s tokens; `ahead` (dispatched after it) stays in flight.
+        If the fetch fails (a device fault surfaces there), `ahead` fails too: it ran on the
+        failed step's cache and tokens."""
+        try:
+            done = self._apply(flight.output, self.runner.collect(flight), touched)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            failed = self._fail_step(flight.output, e)
+            return failed + (self._fail_step(ahead.output, e) if ahead is not None else [])
+        self._flight = ahead
+        return done
+
     def _fail_step(self, output, error: Exception) -> list[str]:
         """A step raised: its requests end with an error output and free what they held; the
         others keep running. If the fault consumed the device caches (a donated buffer of a
         call that failed), they are rebuilt and every running request fails too: their
         state is gone."""
+        if distributed_mod.multi_process():
+            # The processes may no longer be in step (one may have failed alone): stop rather
+            # than run different steps into a collective that hangs.
+            where = f"process {jax.process_index()}"
+            raise RuntimeError(f"engine step failed on {where}: {error}") from error
         message = f"engine step failed: {type(error).__name__}: {error}"
         failed = self.scheduler.fail_step(output)
         self._counters["step_errors"] += 1

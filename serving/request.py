@@ -33,6 +33,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens of all_token_ids whose KV and recurrent state are in the cache.
     num_computed_tokens: int = 0
+    # Async scheduling: tokens a dispatched decode step samples that are not appended yet (they
+    # stay on the device as the next step's inputs). They count as tokens of the sequence for
+    # scheduling; always 0 with synchronous scheduling.
+    num_pending: int = 0
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     arrival: int = -1  # set by Scheduler.add
     num_preemptions: int = 0
@@ -54,7 +58,7 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

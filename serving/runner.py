@@ -20,6 +20,12 @@ Decode is `num_decode_steps` steps fused in one `lax.scan` (`decode.decode_steps
 feeds back the token it picked) when the scheduler asks for more than one
 (`SchedulerOutput.decode_steps`, decode-only steps), else one step.
 
+Async scheduling: `dispatch_decode` returns an `InFlight` step without fetching its tokens and
+`collect` fetches them later. A row whose input token is still on the device (sampled by the
+step dispatched before, not collected yet: `Request.num_pending > 0`) reads it from that step's
+output (`_next_ids`), so a decode batch can be built before the host knows its tokens. The
+model step itself is the same compiled call either way.
+
 Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
 so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /
@@ -69,6 +75,22 @@ class Sample(NamedTuple):
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+
+
+class InFlight(NamedTuple):
+    """A dispatched decode step whose picks ([B, S, ...] device arrays) are not fetched yet."""
+
+    output: SchedulerOutput
+    picked: tuple
+    mode: str
+
+
+@jax.jit
+def _next_ids(prev_tokens, host_ids, src):
+    """Decode inputs [B]: the host's token where src < 0, else the in-flight step's pick at
+    flat index src of its tokens [B', S'] (the token it sampled last for that request)."""
+    flat = prev_tokens.reshape(-1)
+    return jnp.where(src >= 0, flat[jnp.maximum(src, 0)], host_ids)
 
 
 class StepResult(NamedTuple):
@@ -173,6 +195,26 @@ class ModelRunner:
             width *= 2
         return min(width, self.max_pages_per_seq)
 
+    def _num_steps(self, steps: Sequence[int]) -> int:
+        """Two compiled step counts only: 1 and the configured fusion depth."""
+        return 1 if max(steps) == 1 else self.num_decode_steps
+
+    def decode_program(self, placements: Sequence[Placement], steps: Sequence[int]):
+        """What a decode step over these rows compiles to: (batch bucket, block-table width,
+        fused steps). A row's results may change with it (XLA picks other kernels and
+        reduction orders for other shapes: batch 1 and 2 differ in the last bits on a CPU)."""
+        b = bucket(len(placements), self.batch_buckets)
+        return b, self._width(placements), self._num_steps(steps)
+
+    def same_program_for_any_rows(self, output: SchedulerOutput) -> bool:
+        """Whether every nonempty subset of the step's decode rows compiles to the same
+        program. Bucket, width and fused steps only grow with the rows, so each row alone
+        having the program of all rows suffices."""
+        rows = [output.placement[r.request_id] for r in output.decode]
+        steps = output.decode_steps
+        whole = self.decode_program(rows, steps)
+        return all(self.decode_program([p], [n]) == whole for p, n in zip(rows, steps, strict=True))
+
     def _batch(self, placements: Sequence[Placement]) -> tuple[int, Batch]:
         """(bucket size, Batch) of the rows `placements`, padded with null rows."""
         b = bucket(len(placements), self.batch_buckets)
@@ -194,7 +236,8 @@ class ModelRunner:
         row, given greedy params). Counts and prompt masks are [b, V] only in penalized mode."""
         greedy = SamplingParams(temperature=0.0, seed=0)
         params = [r.params if r is not None else greedy for r in requests]
-        steps = [len(r.output_token_ids) if r is not None else 0 for r in requests]
+        # The PRNG stream position counts pending tokens (async scheduling) as drawn.
+        steps = [len(r.output_token_ids) + r.num_pending if r is not None else 0 for r in requests]
         params += [greedy] * (b - len(params))
         steps += [0] * (b - len(steps))
         sampling = SamplingBatch.from_params(params, steps, b)
@@ -271,21 +314,27 @@ class ModelRunner:
         return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
 
     def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
+        return self.collect(self.dispatch_decode(output)).samples
+
+    def dispatch_decode(self, output: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """Dispatch a decode step without waiting for its tokens. A row whose last token is
+        still pending (`num_pending`, async scheduling) reads it on the device from `prev`,
+        the step that sampled it (dispatched before, so it has run by then)."""
         requests = output.decode
         b, batch = self._batch([output.placement[r.request_id] for r in requests])
         ids = np.zeros(b, np.int32)
         steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
-            ids[i] = r.all_token_ids[r.num_tokens - 1]
+            if r.num_pending == 0:
+                ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = output.decode_steps[i]
-        # Two compiled step counts only: 1 and the configured fusion depth.
-        num_steps = 1 if steps_left.max() == 1 else self.num_decode_steps
+        num_steps = self._num_steps(output.decode_steps)
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
         picked, _, self.cache = decode_steps(
             self.graphdef,
             self.params,
-            jnp.asarray(ids),
+            self._ids(requests, ids, prev),
             self.cache,
             batch,
             jnp.asarray(steps_left),
@@ -293,11 +342,34 @@ class ModelRunner:
             num_steps=num_steps,
             mode=mode,
         )
-        samples = _samples(jax.device_get(picked), rows, mode)  # one transfer
-        return {
+        return InFlight(output, picked, mode)
+
+    def _ids(self, requests: Sequence[Request], host_ids: np.ndarray, prev: InFlight | None):
+        """The step's input tokens: the host's, or for pending rows `prev`'s picks."""
+        pending = [i for i, r in enumerate(requests) if r.num_pending]
+        if not pending:
+            return jnp.asarray(host_ids)
+        if prev is None:
+            raise ValueError("pending tokens need the step that sampled them")
+        prev_tokens = prev.picked[0]
+        width = prev_tokens.shape[1]
+        where = {r.request_id: j for j, r in enumerate(prev.output.decode)}
+        src = np.full(len(host_ids), -1, np.int32)
+        for i in pending:
+            j = where[requests[i].request_id]
+            src[i] = j * width + prev.output.decode_steps[j] - 1
+        return _next_ids(prev_tokens, jnp.asarray(host_ids), jnp.asarray(src))
+
+    def collect(self, flight: InFlight) -> StepResult:
+        """Wait for a dispatched decode step's picks (one transfer): each row's samples."""
+        output = flight.output
+        rows: list[Request | None] = list(output.decode)
+        samples = _samples(jax.device_get(flight.picked), rows, flight.mode)
+        by_row = {
             r.request_id: row[: output.decode_steps[i]]
-            for i, (r, row) in enumerate(zip(requests, samples, strict=True))
+            for i, (r, row) in enumerate(zip(output.decode, samples, strict=True))
         }
+        return StepResult(by_row, {})
 
     def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""

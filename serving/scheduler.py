@@ -25,6 +25,11 @@ cost of recomputation. The runner must zero a request's slot (`reset_slots`) for
 
 Pages: a step needs pages for the tokens it computes (`start + length`); the token sampled at
 the end of a step gets its KV in the next step.
+
+Async scheduling: `advance` marks a dispatched plain decode step's tokens as pending (counted
+as computed and as sequence tokens, not appended), so the next step can be scheduled before
+they arrive, when `can_schedule_ahead` says that step is the one synchronous scheduling would
+make; `update` appends them later and drops those of a request that finished meanwhile.
 """
 
 from __future__ import annotations
@@ -108,6 +113,9 @@ class SchedulerOutput:
     # Speculative rows whose window crosses a track point: request id -> (slot, track point).
     track: dict[Hashable, tuple[int, TrackPoint]] = dataclasses.field(default_factory=dict)
     hits: list = dataclasses.field(default_factory=list)
+    # Async scheduling: `Scheduler.advance` counted this step's tokens as pending before they
+    # reached the host; `update` then appends them without advancing the computed tokens again.
+    advanced: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -120,6 +128,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """Decodes only, without drafts, state copies or snapshots: the one kind of step whose
+        tokens may stay on the device while the next step is scheduled (async scheduling)."""
+        copies = self.restores or self.snapshots or self.track
+        return bool(self.decode) and not (self.prefill or self.max_drafts or copies)
 
     @property
     def restore_copies(self) -> list[tuple[int, int]]:
@@ -266,6 +281,56 @@ class Scheduler:
         self._in_flight = not out.is_empty
         return out
 
+    # ---- async scheduling ------------------------------------------------------------------
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """`output`'s step is dispatched and its tokens stay on the device for now: its rows
+        count them as computed and pending, so that the next step can be scheduled before
+        they arrive (`update(output, ...)` appends them then). Plain decode steps only."""
+        if not output.is_plain_decode:
+            raise ValueError("only a plain decode step can run ahead of its tokens")
+        for request, steps in zip(output.decode, output.decode_steps, strict=True):
+            request.num_computed_tokens += steps
+            request.num_pending += steps
+        output.advanced = True
+        self._in_flight = False
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled while pending tokens are unknown: only when
+        it is the step synchronous scheduling would make once they arrive, plus rows that they
+        finish (an EOS, a stop token or string, whose extra token is then dropped). So: nothing
+        waits (a finish could admit it), every running request decodes without drafts or
+        penalties (their counts need the tokens), all fit the budget and the free pages (no
+        eviction, no preemption), and no row ends on a track point (its snapshot waits for a
+        state that has no extra token in it)."""
+        if self.speculative or self.waiting or len(self.running) > self.max_num_batched_tokens:
+            return False
+        missing, rows = 0, 0
+        for request in self.running:
+            if request.num_uncomputed != 1 or request.params.has_penalty:
+                return False
+            steps = self._decode_want(request)
+            if steps == 0:
+                continue  # it ends (max_tokens) when its pending tokens arrive
+            end = request.num_computed_tokens + steps
+            if self.track_interval is not None and end % self.track_interval == 0:
+                return False
+            owned = len(self.allocator.pages(request.request_id))
+            missing += max(0, self.allocator.pages_for(end) - owned)
+            rows += 1
+        return rows > 0 and missing <= self.allocator.num_free
+
+    def drop_finished(self, output: SchedulerOutput) -> None:
+        """Remove the decode rows of requests that ended since `output` was scheduled ahead
+        (the tokens then in flight finished them, or an abort): what remains is the step
+        synchronous scheduling makes now (the same rows, steps and pages)."""
+        keep = [i for i, r in enumerate(output.decode) if not r.is_finished]
+        output.decode = [output.decode[i] for i in keep]
+        output.decode_steps = [output.decode_steps[i] for i in keep]
+        output.placement = {r.request_id: output.placement[r.request_id] for r in output.decode}
+
+    # ---- placement -----------------------------------------------------------------------
+
     def _place(self, out: SchedulerOutput) -> None:
         """Fix each row's slot and pages once every row is scheduled (no row of a step loses
         or gains pages after its own scheduling, but reading them last says so plainly)."""
@@ -286,9 +351,9 @@ class Scheduler:
             if (request.num_uncomputed == 1) != decodes:
                 continue
             if decodes:
-                # Fused decode steps need KV room for each step; they never pass max_tokens.
-                remaining = request.params.max_tokens - len(request.output_token_ids)
-                want = self._cut_at_track(request, max(1, min(self.num_decode_steps, remaining)))
+                want = self._decode_want(request)
+                if want == 0:
+                    continue  # its pending tokens reach max_tokens: it ends when they arrive
             else:
                 want = min(request.num_uncomputed, self.chunk_size, budget)
                 want = self._cut_at_donation(request, want)
@@ -308,6 +373,15 @@ class Scheduler:
                 out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))
                 self._plan_donation(out, request, request.num_computed_tokens + length)
         return budget
+
+    def _decode_want(self, request: Request) -> int:
+        """Decode steps the request asks for: fused steps need KV room for each step and
+        never pass max_tokens (pending tokens count: 0 when they reach it)."""
+        remaining = request.params.max_tokens - len(request.output_token_ids)
+        remaining -= request.num_pending
+        if remaining <= 0:
+            return 0
+        return self._cut_at_track(request, min(self.num_decode_steps, remaining))
 
     def _grow(self, request: Request, length: int) -> int:
         """Pages for `length` more tokens (shrunk to what fits, preempting if none); 0 if the
@@ -500,6 +574,8 @@ class Scheduler:
             sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
         self._record_acceptance(output, sampled, num_drafts or {})
         self._donate(output, sampled)
+        if output.advanced:
+            return self._append_pending(output, sampled)
         finished: list[Request] = []
         steps = [(c.request, c.end, c.samples) for c in output.prefill]
         steps += [(r, r.num_tokens, True) for r in output.decode]
@@ -515,6 +591,19 @@ class Scheduler:
                 # comes next step). Aligned to the allocator page, so the final free never
                 # meets a page twice.
                 self.allocator.release_tail(request.request_id, request.num_tokens)
+        return finished
+
+    def _append_pending(self, output: SchedulerOutput, sampled) -> list[Request]:
+        """`update` of an advanced step: its tokens arrive. `advance` already counted them as
+        computed, and a later step may already be in flight for the same rows. A row that
+        finished meanwhile (an abort, or a stop in the previous step's tokens) drops them."""
+        finished: list[Request] = []
+        for request, steps in zip(output.decode, output.decode_steps, strict=True):
+            if request.is_finished:
+                continue
+            request.num_pending -= steps
+            if self._append_all(request, sampled.get(request.request_id), advanced=True):
+                finished.append(request)
         return finished
 
     def stop(self, request: Request, num_output_tokens: int, reason: str = "stop") -> None:
@@ -594,12 +683,14 @@ class Scheduler:
                 rate = (len(sampled[request.request_id]) - 1) / n
                 request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
 
-    def _append_all(self, request: Request, tokens: int | Sequence[int] | None) -> bool:
+    def _append_all(
+        self, request: Request, tokens: int | Sequence[int] | None, *, advanced: bool = False
+    ) -> bool:
         tokens = list(tokens) if isinstance(tokens, Sequence) else [tokens]
         if not tokens:
             tokens = [None]  # _append raises: a row that samples must get a token
         for j, token in enumerate(tokens):
-            if j > 0:
+            if j > 0 and not advanced:
                 request.num_computed_tokens += 1  # fused step j computed the previous token
             if self._append(request, token):
                 return True
@@ -635,4 +726,9 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        # Tokens still on the device (async scheduling) are dropped when they arrive. Its slot
+        # and pages may be handed out before the step that writes them has run: a later step
+        # reads the cache that step returns (steps run in order) and a new owner's first
+        # prefill chunk zeroes the slot; its KV is written before it is read.
+        request.num_pending = 0
         del self.requests[rid]

@@ -9,6 +9,9 @@ tokens, a slot not reset on a fresh start, or a wrong block table changes the ou
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -399,3 +402,168 @@ def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
         want = expected_output(r.prompt_token_ids, r.params, eos)
         assert (r.output_token_ids, r.finish_reason) == want
     assert sched.allocator.num_free == sched.allocator.capacity
+
+
+# ---- async scheduling: the next step is scheduled before the in-flight step's tokens come -----
+
+
+class Flight(NamedTuple):
+    out: SchedulerOutput
+    sampled: dict[str, list[int]]  # on the "device" until the host collects them
+
+
+class AsyncFakeRunner(FakeRunner):
+    """Runs a plain decode step when it is dispatched (a device runs steps in dispatch order)
+    and hands its tokens to the host only when collected. A row with pending tokens reads its
+    input token from the in-flight step, as the engine's runner does on the device; KV pages
+    must read back what its slot consumed."""
+
+    def dispatch(self, out: SchedulerOutput, prev: Flight | None) -> Flight:
+        sampled = {}
+        for r, n in zip(out.decode, out.decode_steps, strict=True):
+            assert len(r.output_token_ids) + r.num_pending + n <= r.params.max_tokens
+            token = prev.sampled[r.request_id][-1] if r.num_pending else r.all_token_ids[-1]
+            tokens = []
+            for j in range(n):
+                token = self._feed(out, r, r.num_computed_tokens + j, token)
+                tokens.append(token)
+            sampled[r.request_id] = tokens
+        return Flight(out, sampled)
+
+    def step(self, out: SchedulerOutput) -> list:
+        """A synchronous step (decode rows as in `dispatch`: a decode scheduled next to
+        prefill chunks holds the pages of the fused steps it asked for)."""
+        sampled = [
+            self._compute(out, c.request, c.start, c.length, c.is_first) for c in out.prefill
+        ]
+        decoded = self.dispatch(out, None).sampled
+        return sampled + [decoded[r.request_id] for r in out.decode]
+
+    def _feed(self, out: SchedulerOutput, request: Request, pos: int, token: int) -> int:
+        placed, tpp = out.placement[request.request_id], self.sched.allocator.tokens_per_page
+        assert placed.slot == self.sched.state_pool.slot(request.request_id)
+        state = self.slot_state[placed.slot]
+        assert len(state) == pos
+        state.append(token)
+        pages = placed.pages  # an IndexError: no page for the position
+        self.kv.setdefault(pages[pos // tpp], [None] * tpp)[pos % tpp] = token
+        assert [self.kv[pages[p // tpp]][p % tpp] for p in range(pos + 1)] == state
+        return next_token(state)
+
+
+def run_async(sched, arrivals, max_steps=5000, dispatch_first=lambda out: True) -> int:
+    """The engine's async protocol (`LLM._step_async`): with a plain decode step in flight,
+    schedule the next one when the scheduler allows and dispatch it before applying the
+    earlier tokens (unless `dispatch_first(out)` says no, as the engine does for a step that
+    could compile differently without some rows: then apply them, drop the rows that ended
+    and dispatch the rest); otherwise apply them first and run synchronously (leaving a
+    plain decode step in flight). Returns (steps dispatched ahead, steps that waited)."""
+    runner, flight, ahead, waited, step = AsyncFakeRunner(sched), None, 0, 0, 0
+    while sched.has_unfinished() or flight or any(s >= step for s in arrivals):
+        for r in arrivals.get(step, []):
+            sched.add(r)
+        step += 1
+        assert step < max_steps, "scheduler did not finish"
+        if flight is not None and sched.can_schedule_ahead():
+            out = sched.schedule()
+            check_invariants(sched, out)
+            if dispatch_first(out):
+                nxt = runner.dispatch(out, flight)
+                sched.advance(out)
+                sched.update(flight.out, flight.sampled)
+                flight, ahead = nxt, ahead + 1
+                continue
+            sched.update(flight.out, flight.sampled)
+            sched.drop_finished(out)
+            flight = runner.dispatch(out, None) if out.decode else None
+            if out.decode:
+                sched.advance(out)
+            waited += 1
+            continue
+        if flight is not None:
+            sched.update(flight.out, flight.sampled)
+            flight = None
+        if not sched.has_unfinished():
+            continue
+        out = sched.schedule()
+        check_invariants(sched, out)
+        if out.is_plain_decode:
+            flight = runner.dispatch(out, None)
+            sched.advance(out)
+        else:
+            sched.update(out, runner.step(out))
+    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+    return ahead, waited
+
+
+def every_nth_waits(n: int):
+    """A `dispatch_first` that says no on every n-th call (never for n = 0)."""
+    calls = itertools.count(1)
+    return lambda out: n == 0 or next(calls) % n != 0
+
+
+@pytest.mark.parametrize("fuse", [1, 3])
+@pytest.mark.parametrize("wait_every", [0, 2])
+def test_async_schedule_keeps_outputs(fuse, wait_every):
+    """Stops (EOS, max_tokens) apply one step late and the extra tokens are dropped; requests
+    arriving mid-run, preemption in a small pool and fused steps keep their outputs. With
+    `wait_every` 2, every other step scheduled ahead waits for the tokens in flight and
+    drops the rows they ended."""
+    for pages in (64, 14):
+        reqs = requests(SPECS, eos_ids=(EOS,))
+        sched = make(num_pages=pages, budget=16, eos=(EOS,), fuse=fuse)
+        first = every_nth_waits(wait_every)
+        ahead, waited = run_async(sched, {0: reqs[:4], 3: reqs[4:]}, dispatch_first=first)
+        assert ahead > 0 and (waited > 0) == (wait_every > 0)
+        assert (pages == 14) == any(r.num_preemptions for r in reqs)
+        for r in reqs:
+            want = expected_output(r.prompt_token_ids, r.params, (EOS,))
+            assert (r.output_token_ids, r.finish_reason) == want
+
+
+def test_advance_takes_only_plain_decode_steps():
+    sched = make()
+    (r,) = requests([(4, 5, 1)])
+    sched.add(r)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="only a plain decode step"):
+        sched.advance(out)
+    sched.update(out, FakeRunner(sched).step(out))
+    out = sched.schedule()
+    sched.advance(out)
+    assert (r.num_pending, r.num_computed_tokens, r.num_uncomputed) == (1, 5, 1)
+    assert sched.can_schedule_ahead()
+    sched.add(Request("late", [1, 2], SamplingParams(max_tokens=2)))
+    assert not sched.can_schedule_ahead()  # a waiting request: a finish could admit it
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 99), st.integers(0, 10)),
+        min_size=1,
+        max_size=8,
+    ),
+    page_size=st.integers(1, 4),
+    extra_pages=st.integers(0, 12),
+    num_slots=st.integers(2, 6),
+    budget=st.integers(1, 24),
+    fuse=st.integers(1, 4),
+    use_eos=st.booleans(),
+    wait_every=st.integers(0, 3),
+)
+def test_async_random_workloads(
+    specs, page_size, extra_pages, num_slots, budget, fuse, use_eos, wait_every
+):
+    eos = (EOS,) if use_eos else ()
+    reqs = requests([(n, m, seed) for n, m, seed, _ in specs], eos_ids=eos)
+    need = max(PageAllocator(2, page_size).pages_for(n + m - 1) for n, m, _, _ in specs)
+    sched = make(need + 1 + extra_pages, page_size, num_slots, budget=budget, eos=eos, fuse=fuse)
+    arrivals: dict[int, list[Request]] = {}
+    for r, (_, _, _, at) in zip(reqs, specs, strict=True):
+        arrivals.setdefault(at, []).append(r)
+    run_async(sched, arrivals, 3000, every_nth_waits(wait_every))
+    for r in reqs:
+        want = expected_output(r.prompt_token_ids, r.params, eos)
+        assert (r.output_token_ids, r.finish_reason) == want

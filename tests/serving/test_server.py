@@ -537,3 +537,32 @@ def test_logprobs_through_the_server_equal_the_offline_api(url, setup):
     assert logprobs["token_logprobs"] == [e[t] for e, t in zip(want.logprobs, want.token_ids)]
     for top, entry in zip(logprobs["top_logprobs"], want.logprobs, strict=True):
         assert sorted(top.values()) == sorted(entry.values())
+
+
+def test_async_scheduling_server_streams_the_offline_outputs(setup, offline):
+    """An engine with async scheduling behind the server: concurrent streams (stop strings
+    included) give the offline outputs, a client that hangs up mid-stream is aborted while
+    its next step is in flight, and every slot and page comes back."""
+    llm = LLM(setup[2].model, tokenizer=setup[2].tokenizer, async_scheduling=True, **SHAPES)
+    app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=120)
+    prompts = ["Hello", "The quick brown fox", "abc", "Kimi Linear"]
+    refs = {p: offline(p, 12) for p in prompts}
+    stop = refs["Hello"].text[5]
+    with BackgroundServer(app) as server:
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            next(line for line in r.iter_lines() if line.startswith("data:"))  # then hang up
+
+        def one(prompt, **extra):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+            chunks = _sse_chunks(server.url, "completions", {**body, **extra})
+            return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(one, prompts))
+            stopped = pool.submit(one, "Hello", stop=[stop]).result()
+        assert texts == [refs[p].text for p in prompts]
+        assert stopped == refs["Hello"].text.split(stop)[0]
+        wait_drained(server.url)
+        assert metric(server.url, "kimi_linear_engine_aborted_total") == 1
+        assert metric(server.url, "kimi_linear_engine_overlapped_steps") > 0
