@@ -409,6 +409,12 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0 or not args.request_timeout > 0:
         raise ValueError("--max-queue must be >= 0 and --request-timeout > 0")
+    from kimi_linear_jax.parallel.distributed import Distributed
+
+    dist = Distributed.parse(_distributed(args))
+    if dist is not None and dist.num_processes > 1:
+        # Requests reach process 0 only; the others would need them broadcast as they arrive.
+        raise ValueError("serve runs in one process; several processes work with generate")
     llm = llm_from_args(args)
     name = model_name_for(args.model, args.served_model_name)
     serve(

@@ -130,6 +130,33 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
         (["--input", "{tmp}/missing.jsonl"], "No such file"),
         (["--prompt-ids", "1", "--speculative-method", "draft_model"], "needs 'model'"),
         (["--prompt-ids", "1", "--track-interval", "48"], "multiple of the checkpoint grid 64"),
+        (["--prompt-ids", "1", "--num-processes", "2"], "missing --coordinator-address"),
+        (
+            [
+                "--prompt-ids",
+                "1",
+                "--coordinator-address",
+                "nohost",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+            ],
+            "coordinator_address must be HOST:PORT",
+        ),  # fmt: skip
+        (
+            [
+                "--prompt-ids",
+                "1",
+                "--coordinator-address",
+                "localhost:1",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "2",
+            ],
+            "process_id must be in [0, 2)",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_exits_2(checkpoint, capsys, tmp_path, argv, match):
@@ -244,3 +271,9 @@ def test_plan_of_a_config_json_takes_its_torch_dtype(checkpoint, capsys):
 def test_plan_bad_input_exits_2(capsys):
     rc, out, err = run(capsys, "plan", "--device-memory", "80 furlongs")
     assert rc == 2 and out == "" and "cannot read '80 furlongs'" in err
+
+
+def test_serve_refuses_several_processes(capsys):
+    argv = ["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "0"]
+    rc, _, err = run(capsys, "serve", *argv)
+    assert rc == 2 and "serve runs in one process" in err
