@@ -328,17 +328,21 @@ def test_validation_errors():
     run(sched, {})
 
 
+# Random requests: (prompt length, max_tokens, a seed for their tokens, unused).
+WORKLOADS = st.lists(
+    st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 99), st.integers(0, 10)),
+    min_size=1,
+    max_size=8,
+)
+
+
 @settings(
     max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(
-    specs=st.lists(
-        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 99), st.integers(0, 10)),
-        min_size=1,
-        max_size=8,
-    ),
+    specs=WORKLOADS,
     page_size=st.integers(1, 4),
     extra_pages=st.integers(0, 12),
     num_slots=st.integers(2, 6),
@@ -540,11 +544,7 @@ def test_advance_takes_only_plain_decode_steps():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    specs=st.lists(
-        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 99), st.integers(0, 10)),
-        min_size=1,
-        max_size=8,
-    ),
+    specs=WORKLOADS,
     page_size=st.integers(1, 4),
     extra_pages=st.integers(0, 12),
     num_slots=st.integers(2, 6),
