@@ -169,6 +169,8 @@ def verify_step(
         raise ValueError(f"commit must be one of {tuple(COMMITS)}, got {commit!r}")
     if drafts.ndim != 2 or drafts.shape[0] != last.shape[0]:
         raise ValueError(f"chain layout needs drafts [B, k], got {drafts.shape}")
+    if drafts.shape[1] == 0:
+        commit = "gather"  # a one-token window keeps one state either way: no second pass
     model = merge(graphdef, params)
     ids = jnp.concatenate([last[:, None], drafts], axis=1)
     live = batch.lengths > 0
