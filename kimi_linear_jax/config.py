@@ -430,17 +430,62 @@ def _small() -> KimiLinearConfig:
     )
 
 
+def _pycode() -> KimiLinearConfig:
+    # The built-in default model (about 14M parameters): trained on the Python standard
+    # library with a 4,096-id byte-level BPE; three KDA layers, one MLA layer, 16 routed experts.
+    return KimiLinearConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        kda_layers=(1, 2, 3),
+        full_attn_layers=(4,),
+        linear_num_heads=4,
+        linear_head_dim=64,
+        num_attention_heads=4,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_experts=16,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=256,
+        num_expert_group=1,
+        topk_group=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        model_max_length=8192,
+    )
+
+
+def _pycode_draft() -> KimiLinearConfig:
+    # The built-in draft model (about 2M parameters): `pycode`'s vocabulary at half the width.
+    return dataclasses.replace(
+        _pycode(),
+        hidden_size=128,
+        intermediate_size=512,
+        linear_num_heads=2,
+        num_attention_heads=2,
+        kv_lora_rank=64,
+        num_experts=4,
+        moe_intermediate_size=128,
+    )
+
+
 PRESETS = {
     "tiny": _tiny,
     "tiny-tp8": _tiny_tp8,
     "small": _small,
+    "pycode": _pycode,
+    "pycode-draft": _pycode_draft,
     "kimi-linear-48b-a3b": KimiLinearConfig,  # the defaults are the release's shapes
 }
 
 
 def preset(name: str, **overrides: Any) -> KimiLinearConfig:
-    """A named configuration ('tiny', 'tiny-tp8', 'small', 'kimi-linear-48b-a3b'), with field
-    overrides."""
+    """A named configuration (one of `PRESETS`), with field overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name](), **overrides)

@@ -21,6 +21,7 @@ from kimi_linear_jax.parallel.mesh import COMBINES
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.plan_command import add_plan_parser
 from serving.sampling import SamplingParams
+from serving.train_command import add_train_parser
 
 # Engine flags shared by `generate` and `serve`: (flag, type, default, help), with `LLM`'s
 # defaults; each maps onto the `LLM` argument of the same name.
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     add_plan_parser(sub)
+    add_train_parser(sub)
 
     i = sub.add_parser("info", help="parameter count of a preset (abstract, nothing allocated)")
     i.add_argument("--preset", default="kimi-linear-48b-a3b")

@@ -1,0 +1,182 @@
+"""The training loop: the loss falls, accumulation and data parallelism are the same step,
+a resumed run is the straight run, and the export loads in transformers with equal logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_linear_jax import corpus, load_pretrained
+from kimi_linear_jax.config import preset
+from kimi_linear_jax.model import forward
+from kimi_linear_jax.train import Trainer, TrainConfig, model_config_for, prepare_data, train
+from serving.cli import main as cli_main
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+TC = TrainConfig(
+    seq_len=32,
+    batch_size=8,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    max_steps=6,
+    eval_every=3,
+    eval_batches=2,
+    save_every=100,
+)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> str:
+    """One text file of real Python (a few stdlib modules): held out by its last 2%."""
+    text = "".join((STDLIB / name).read_text() for name in ("bisect.py", "heapq.py", "abc.py"))
+    path = tmp_path_factory.mktemp("data") / "code.py"
+    path.write_text(text)
+    return str(path)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _run(out, data, **kwargs):
+    return train(
+        preset("tiny"), kwargs.pop("tc", TC), data, out, vocab_size=300, progress=False, **kwargs
+    )
+
+
+def test_loss_falls_and_held_out_is_measured(data_file, tmp_path):
+    tc = dataclasses.replace(TC, max_steps=10, eval_every=10, learning_rate=1e-2)
+    record = _run(tmp_path, data_file, tc=tc)
+    losses = _losses(tmp_path)
+    assert len(losses) == 10
+    assert np.mean(losses[-2:]) < losses[0] - 0.3, losses
+    assert 0 < record["eval_bpb"] < 8 and record["eval_loss"] > 0
+    split = json.loads((tmp_path / "data.json").read_text())
+    assert split["held_out"] == ["code.py#held-out"]
+
+
+def test_resume_continues_the_straight_run_exactly(data_file, tmp_path):
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    _run(straight, data_file)
+    _run(halves, data_file, run_steps=3)
+    assert len(_losses(halves)) == 3
+    _run(halves, data_file, resume=True)
+    assert _losses(halves) == _losses(straight)
+    a, b = load_pretrained(straight, dtype="float32"), load_pretrained(halves, dtype="float32")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_new_run_refuses_an_existing_train_state(data_file, tmp_path):
+    _run(tmp_path, data_file, run_steps=1)
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        _run(tmp_path, data_file)
+
+
+def _one_step(data_file, tmp_path, tc, devices):
+    prepared, tok = prepare_data(data_file, tmp_path, tc, vocab_size=300)
+    trainer = Trainer(model_config_for(preset("tiny"), tok), tc, devices=devices)
+    batch = prepared.train.take(0, tc.batch_size * tc.grad_accum)
+    state, metrics = trainer.step(
+        trainer.init_state(), batch.reshape(tc.grad_accum, tc.batch_size, -1)
+    )
+    return float(metrics["loss"]), jax.tree.leaves(jax.device_get(state["params"]))
+
+
+def test_accumulation_and_data_parallel_are_the_same_step(data_file, tmp_path):
+    """8 sequences as one batch on one device, as 2 x 4 accumulated, and split over 8
+    devices: the same loss and the same updated parameters (up to summation order)."""
+    one = jax.devices()[:1]
+    base_loss, base = _one_step(data_file, tmp_path, TC, one)
+    accum = dataclasses.replace(TC, batch_size=4, grad_accum=2)
+    for tc, devices in ((accum, one), (TC, jax.devices()[:8])):
+        loss, params = _one_step(data_file, tmp_path, tc, devices)
+        assert abs(loss - base_loss) < 1e-5
+        for x, y in zip(params, base):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_batch_size_must_split_over_devices():
+    with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+        Trainer(preset("tiny"), dataclasses.replace(TC, batch_size=4), devices=jax.devices()[:8])
+
+
+def test_batches_are_a_function_of_the_sample_index():
+    stream = np.arange(1000, dtype=np.int32)
+    a, b = corpus.Batches(stream, 9, seed=3), corpus.Batches(stream, 9, seed=3)
+    first = a.take(0, 200)  # crosses an epoch (111 sequences)
+    np.testing.assert_array_equal(b.take(150, 50), first[150:])
+    assert sorted(first[:111, 0].tolist()) == list(range(0, 999, 9))  # each sequence once
+    np.testing.assert_array_equal(first[:, 1:], first[:, :-1] + 1)  # contiguous windows
+    windows = corpus.eval_sequences(stream, 9)
+    np.testing.assert_array_equal(windows[:, 1:].ravel(), stream[1 : 1 + 9 * len(windows)])
+
+
+def test_split_is_by_file_name_and_skips_tests(tmp_path):
+    for i in range(300):
+        (tmp_path / f"m{i}.py").write_text(f"x = {i}\n")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text("skipped\n")
+    (tmp_path / "bin.py").write_bytes(b"\xff\xfe")
+    docs = corpus.documents(tmp_path)
+    assert len(docs) == 300 and "test/t.py" not in docs and "bin.py" not in docs
+    train_docs, held = corpus.split(docs)
+    assert 0 < len(held) < 20 and set(train_docs).isdisjoint(held)
+    assert sorted(held) == sorted(n for n in docs if corpus.is_held_out(n))
+    with pytest.raises(FileNotFoundError, match="neither a file nor a directory"):
+        corpus.documents(tmp_path / "missing")
+
+
+def test_export_loads_in_transformers_with_equal_logits(data_file, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _run(tmp_path, data_file, tc=dataclasses.replace(TC, max_steps=2))
+    ours = load_pretrained(tmp_path, dtype="float32")
+    ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        expected = ref.eval()(torch.as_tensor(ids)).logits.numpy()
+    from flax import nnx
+
+    graphdef, params = nnx.split(ours)
+    got = np.asarray(forward(graphdef, params, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_train_then_resume(data_file, tmp_path, capsys):
+    args = [
+        "train",
+        "--data",
+        data_file,
+        "--preset",
+        "tiny",
+        "--out",
+        str(tmp_path),
+        "--vocab-size",
+        "300",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+    ]
+    assert cli_main([*args, "--run-steps", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 2
+    assert cli_main(args) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert cli_main([*args, "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 4
+    assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "model.safetensors").is_file()
