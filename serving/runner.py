@@ -261,8 +261,8 @@ class ModelRunner:
 
     def run(self, output: SchedulerOutput) -> StepResult:
         """Run one scheduled step from `output` alone: the samples of each row that samples
-        (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode) and
-        the drafts each verify row proposed."""
+        (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode), the
+        drafts each verify row proposed and the prompt logprobs of the prefill rows that ask."""
         result = StepResult({}, {}, {})
         # Prefix-cache hits: the checkpoint is copied into the request's slot before its chunk.
         self._copy(output.restore_copies)
