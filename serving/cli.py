@@ -54,6 +54,7 @@ LINE_FIELDS = {
     "stop_token_ids": (int, list),
     "ignore_eos": bool,
     "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
 }
 assert set(LINE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -128,6 +129,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", type=int, default=None, help="return the top N logprobs")
+    s.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        help="return each prompt token's logprob and the top N there",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,6 +198,7 @@ def sampling_from_args(args):
         stop_token_ids=tuple(_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
     params.validate(sys.maxsize)
     return params
@@ -280,6 +288,10 @@ def _result(out) -> dict:
     }
     if out.logprobs is not None:
         line["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in out.logprobs]
+    if out.prompt_logprobs is not None:
+        line["prompt_logprobs"] = [
+            None if d is None else {str(t): lp for t, lp in d.items()} for d in out.prompt_logprobs
+        ]
     return line
 
 

@@ -71,6 +71,12 @@ COUNTERS = (
 class RequestOutput:
     """A request's result (vLLM's names). `logprobs`, when asked for, has one dict per generated
     token mapping token id -> logprob: the sampled token and the top `logprobs` tokens.
+    `prompt_logprobs`, when asked for, has one entry per prompt token: None for the first (it
+    has no context), then a dict of the same form for prompt token i given tokens [:i] (the
+    token and the top `prompt_logprobs` tokens; `serving/prompt_logprobs.py`). Both are raw
+    model logprobs (before penalties, temperature and truncation). Such a request takes no
+    prefix-cache hit (the skipped positions would have no logits); it still fills the cache.
+    Entries of positions not computed (a request that ended in its prefill) stay None.
     `finish_reason` is "stop", "length", "abort", "error" (then `error` says why) or None while
     the request runs; `stop_reason` is the stop string or stop token id that ended it."""
 
@@ -81,6 +87,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     stop_reason: str | int | None = None
     error: str | None = None
@@ -140,6 +147,7 @@ class _Tracked:
     text: str | None = None  # set when a stop string cut the text
     stop_reason: str | int | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position
 
 
 class LLM:
@@ -424,7 +432,10 @@ class LLM:
             raise
         rid = request.request_id
         wants = request.params.logprobs is not None
-        self._tracked[rid] = _Tracked(request, [] if wants else None, 0.0 if wants else None)
+        tracked = _Tracked(request, [] if wants else None, 0.0 if wants else None)
+        if request.params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        self._tracked[rid] = tracked
         self._counters["requests"] += 1
         self._counters["prompt_tokens"] += len(request.prompt_token_ids)
         return rid
@@ -495,6 +506,7 @@ class LLM:
         before = {rid: len(self._tracked[rid].request.output_token_ids) for rid in sampled}
         tokens = {rid: [s.token for s in v] for rid, v in sampled.items()}
         self.scheduler.update(output, tokens, result.num_drafts)
+        self._record_prompt(result.prompt_logprobs)
         for rid, samples in sampled.items():
             self._record(rid, samples, before[rid])
         self._counters["preemptions"] += len(output.preempted)
@@ -688,6 +700,14 @@ class LLM:
         if request.params.stop and self.tokenizer is not None and appended:
             self._check_stop_strings(tracked, before)
 
+    def _record_prompt(self, found: dict) -> None:
+        """Place a step's prompt logprobs by position: a prefill again after a preemption
+        overwrites what it recomputes."""
+        for rid, (first, entries) in found.items():
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                tracked.prompt_logprobs[first : first + len(entries)] = entries
+
     def _check_stop_strings(self, tracked: _Tracked, before: int) -> None:
         """Host-side stop strings (vLLM: the text excludes the stop string; the token ids end
         with the token that completed it)."""
@@ -754,7 +774,7 @@ class LLM:
         )
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
+        request, prompt = tracked.request, tracked.prompt_logprobs
         text = tracked.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids)
@@ -766,6 +786,7 @@ class LLM:
             finish_reason=request.finish_reason,
             logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
             cumulative_logprob=tracked.cumulative_logprob,
+            prompt_logprobs=None if prompt is None else list(prompt),
             stop_reason=tracked.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
             error=tracked.error,

@@ -75,6 +75,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each choice gets "prompt_logprobs"
 
 
 class ChatRequest(_SamplingFields):
@@ -98,6 +99,7 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs,
+            prompt_logprobs=getattr(body, "prompt_logprobs", None),
         )
     except (TypeError, ValueError) as e:
         raise bad_request(str(e)) from e
@@ -172,6 +174,8 @@ def full_response(server, ticket, out: RequestOutput, chat: bool) -> dict:
         "logprobs": openai_logprobs(server.tokenizer, out, 0, chat),
         "finish_reason": out.finish_reason,
     }
+    if out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, out.prompt_logprobs)
     head = {"id": ticket.request_id, "object": _object(chat, False), "created": int(time.time())}
     return {**head, "model": server.model_name, "choices": [choice], **usage_body(out)}
 
@@ -182,6 +186,18 @@ def _token_text(tokenizer, token: int) -> str:
     completions API's `top_logprobs`, keyed by text, keeps one entry per token."""
     text = tokenizer.decode([token]) if tokenizer is not None else None
     return f"token_id:{token}" if not text or "\ufffd" in text else text
+
+
+def vllm_prompt_logprobs(tokenizer, entries: list) -> list:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or
+    {"token id": {"logprob", "decoded_token"}}. vLLM's "rank" is left out: the engine keeps
+    the top N's order, not the prompt token's rank among all."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token]) if tokenizer is not None else None
+        return {"logprob": logprob, "decoded_token": text}
+
+    return [None if e is None else {str(t): one(t, lp) for t, lp in e.items()} for e in entries]
 
 
 def openai_logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):

@@ -26,6 +26,9 @@ step dispatched before, not collected yet: `Request.num_pending > 0`) reads it f
 output (`_next_ids`), so a decode batch can be built before the host knows its tokens. The
 model step itself is the same compiled call either way.
 
+A prefill step with a row that asks for prompt logprobs keeps every position's logits and
+takes their logprobs on device (`serving/prompt_logprobs.py`).
+
 Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
 so a draw depends neither on the batch nor on fusion. Rows with a repetition / presence /
@@ -49,6 +52,7 @@ from kimi_linear_jax.model import HashedGraph, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, block_table_row
 from serving.decode import decode_steps, pick_jit
+from serving.prompt_logprobs import Entries, entries, prompt_logprobs_step, targets
 from serving.request import Request
 from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
 from serving.scheduler import Placement, SchedulerOutput
@@ -95,10 +99,12 @@ def _next_ids(prev_tokens, host_ids, src):
 
 class StepResult(NamedTuple):
     """What a step measured, for the scheduler to apply: each sampling row's samples in
-    order, and the drafts each verify row proposed (it accepted len(samples) - 1)."""
+    order, the drafts each verify row proposed (it accepted len(samples) - 1), and the prompt
+    logprobs of the prefill rows that ask (`prompt_logprobs.entries`)."""
 
     samples: dict[Hashable, list[Sample]]
     num_drafts: dict[Hashable, int]
+    prompt_logprobs: dict[Hashable, Entries]
 
 
 def _mode(requests: Sequence[Request]) -> str:
@@ -255,13 +261,13 @@ class ModelRunner:
 
     def run(self, output: SchedulerOutput) -> StepResult:
         """Run one scheduled step from `output` alone: the samples of each row that samples
-        (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode) and
-        the drafts each verify row proposed."""
-        result = StepResult({}, {})
+        (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode), the
+        drafts each verify row proposed and the prompt logprobs of the prefill rows that ask."""
+        result = StepResult({}, {}, {})
         # Prefix-cache hits: the checkpoint is copied into the request's slot before its chunk.
         self._copy(output.restore_copies)
         if output.prefill:
-            result.samples.update(self._prefill(output))
+            self._prefill(output, result)
         if output.decode and self.drafter is not None:
             self._verify(output, result)
         elif output.decode:
@@ -278,7 +284,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.copy_slots(pairs, width)
 
-    def _prefill(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
+    def _prefill(self, output: SchedulerOutput, result: StepResult) -> None:
         chunks = output.prefill
         placements = [output.placement[c.request.request_id] for c in chunks]
         b, batch = self._batch(placements)
@@ -293,6 +299,7 @@ class ModelRunner:
             self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh))
         has_prefix = any(c.start > 0 for c in chunks)
         ids = jnp.asarray(ids)
+        next_ids = targets(chunks, b, t)
         logits, self.cache = prefill_step(
             self.graphdef,
             self.params,
@@ -300,18 +307,31 @@ class ModelRunner:
             self.cache,
             batch,
             has_prefix=has_prefix,
-            last_only=True,
+            last_only=next_ids is None,
         )
         if self.drafter is not None:
             self.drafter.prefill(ids, batch, fresh, has_prefix)
+        prompt = ()
+        if next_ids is not None:
+            logits, prompt = prompt_logprobs_step(logits, jnp.asarray(next_ids), batch.lengths)
+        self._prefill_samples(chunks, b, logits, prompt, result)
+
+    def _prefill_samples(self, chunks, b: int, logits, prompt, result: StepResult) -> None:
+        """Sample the rows whose prefill ends here; fetch their picks and the prompt logprobs
+        `prompt` (device arrays, or () when no row asks) in one transfer."""
         rows = [c.request if c.samples else None for c in chunks]
         live = [r for r in rows if r is not None]
-        if not live:
-            return {}
-        mode = _mode(live)
-        picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
-        picked = jax.device_get(tuple(x[:, None] for x in picked))  # one transfer
-        return dict(zip((r.request_id for r in live), _samples(picked, rows, mode), strict=True))
+        mode = _mode(live) if live else "greedy"
+        picked = ()
+        if live:
+            picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
+            picked = tuple(x[:, None] for x in picked)
+        picked, prompt = jax.device_get((picked, prompt))  # one transfer
+        if live:
+            samples = _samples(picked, rows, mode)
+            result.samples.update(zip((r.request_id for r in live), samples, strict=True))
+        if prompt:
+            result.prompt_logprobs.update(entries(prompt, chunks))
 
     def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
         return self.collect(self.dispatch_decode(output)).samples
@@ -369,7 +389,7 @@ class ModelRunner:
             r.request_id: row[: output.decode_steps[i]]
             for i, (r, row) in enumerate(zip(output.decode, samples, strict=True))
         }
-        return StepResult(by_row, {})
+        return StepResult(by_row, {}, {})
 
     def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""

@@ -47,6 +47,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: per prompt token, its logprob and the top N (engine.RequestOutput).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # vLLM's forms: one stop string, or lists. Only the container changes here; the values
@@ -94,6 +96,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        n = self.prompt_logprobs
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(
@@ -110,7 +115,7 @@ class SamplingParams:
         for name in ("top_k", "max_tokens"):
             if not is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r:.60}")
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r:.60}")

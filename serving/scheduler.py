@@ -498,12 +498,19 @@ class Scheduler:
             out.snapshots.append((request.request_id, slot, depth))
 
     def _lookup(self, request: Request) -> Hit | None:
-        """A prefix hit for a request about to start from token 0 (None: no cache or miss)."""
+        """A prefix hit for a request about to start from token 0 (None: no cache, a miss, or
+        a request that asks for prompt logprobs)."""
         cache = self.prefix_cache
         if cache is None:
             return None
-        hit = cache.lookup(request.all_token_ids)
         n = request.num_tokens
+        if request.params.prompt_logprobs is not None:
+            # A hit's skipped positions would have no logits, so no prompt logprobs (vLLM's
+            # rule too). The prefill still donates its state, as after a miss.
+            depth = checkpoint_depth(0, n, cache.state_chunk, cache.tree_page)
+            request.donate_depths = (depth,) if depth else ()
+            return None
+        hit = cache.lookup(request.all_token_ids)
         depths = {checkpoint_depth(hit.depth, n - hit.depth, cache.state_chunk, cache.tree_page)}
         if hit.kv_depth > hit.depth:
             depths.add(branching_depth(hit.kv_depth, cache.state_chunk, cache.tree_page))

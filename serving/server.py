@@ -213,6 +213,9 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt = self._completion_prompt(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if body.prompt_logprobs is not None and body.stream:
+            # vLLM's rule too: a stream's chunks have no place for them.
+            raise bad_request("prompt_logprobs are not available with stream", "prompt_logprobs")
         params = sampling_params(body, max_tokens, body.logprobs)
         return await self._respond(request, body, prompt, params, chat=False)
 

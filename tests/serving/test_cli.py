@@ -68,6 +68,31 @@ def test_generate_greedy_equals_llm(checkpoint, reference, capsys):
     assert "logprobs" not in got
 
 
+def test_prompt_logprobs_flag_and_line_field(checkpoint, reference, capsys, tmp_path):
+    """`--prompt-logprobs N` adds "prompt_logprobs" (entry 0 null, then token id -> logprob,
+    as "logprobs"), equal to the offline API's; a JSONL line sets its own, a bad one fails
+    alone."""
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    (want,) = LLM(checkpoint, **ENGINE).generate(PROMPTS[:1], params, use_tqdm=False)
+    argv = ["generate", "--model", checkpoint, *FLAGS, "--max-tokens", "4"]
+    rc, out, _ = run(capsys, *argv, "--prompt-ids", "5,6,7", "--prompt-logprobs", "2")
+    assert rc == 0
+    got = json.loads(out)
+    assert got["token_ids"] == reference[0].token_ids
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == 3
+    for line, entry in zip(got["prompt_logprobs"][1:], want.prompt_logprobs[1:], strict=True):
+        assert {int(t): lp for t, lp in line.items()} == pytest.approx(entry)
+    path = tmp_path / "in.jsonl"
+    lines = [{"prompt": PROMPTS[0], "prompt_logprobs": 0}, {"prompt": PROMPTS[0]}]
+    lines.append({"prompt": PROMPTS[0], "prompt_logprobs": -1})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc, out, _ = run(capsys, *argv[:-1], "2", "--input", str(path))
+    rows = [json.loads(x) for x in out.strip().splitlines()]
+    assert rc == 0 and [len(e) for e in rows[0]["prompt_logprobs"][1:]] == [1, 1]
+    assert "prompt_logprobs" not in rows[1]
+    assert "prompt_logprobs must be in [0, 20], got -1" in rows[2]["error"]
+
+
 def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_path, monkeypatch):
     lines = [
         json.dumps({"prompt": PROMPTS[0], "max_tokens": 4}),
@@ -124,6 +149,7 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
         (["--model", "{tmp}/nope", "--prompt", "hi"], "not a checkpoint"),
         (["--prompt-ids", "1,2", "--dcp-size", "64"], "(dcp_size 64) asks for more devices"),
         (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt-ids", "1,2", "--prompt-logprobs", "21"], "prompt_logprobs must be in"),
         (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
         (["--model", "{ckpt}", "--prompt", "hi"], "a text prompt needs a tokenizer"),
         (["--model", "{ckpt}", "--prompt-ids", "1,2,999"], "token id 999 is outside"),

@@ -566,3 +566,30 @@ def test_async_scheduling_server_streams_the_offline_outputs(setup, offline):
         wait_drained(server.url)
         assert metric(server.url, "kimi_linear_engine_aborted_total") == 1
         assert metric(server.url, "kimi_linear_engine_overlapped_steps") > 0
+
+
+def test_prompt_logprobs_through_the_server_equal_the_offline_api(url, setup):
+    """vLLM's extra field on /v1/completions: each choice gets "prompt_logprobs" (null for the
+    first token, then token id -> {logprob, decoded_token}); a stream refuses it."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=2)
+    (want,) = _engine_like(setup[2]).generate(["Hello"], params, use_tqdm=False)
+    body = {"prompt": "Hello", "max_tokens": MAX_TOKENS, "temperature": 0, "prompt_logprobs": 2}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    assert choice["text"] == want.text
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_logprobs) == len("Hello")
+    for entry, ref in zip(got[1:], want.prompt_logprobs[1:], strict=True):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(ref, abs=1e-6)
+        assert all(v["decoded_token"] == chr(int(t)) for t, v in entry.items() if int(t) < 128)
+    plain = httpx.post(
+        f"{url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=TIMEOUT
+    )
+    assert "prompt_logprobs" not in plain.json()["choices"][0]
+    for bad, match in [
+        ({"stream": True}, "not available with stream"),
+        ({"prompt_logprobs": 21}, "in [0, 20]"),
+    ]:
+        r = httpx.post(f"{url}/v1/completions", json={**body, **bad}, timeout=TIMEOUT)
+        error = r.json()["error"]
+        assert r.status_code == 400 and match in error["message"]
+        assert error["param"] == "prompt_logprobs"
