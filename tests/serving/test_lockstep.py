@@ -1,7 +1,8 @@
 """The server's lockstep across processes (`serving/lockstep.py`), in one process: messages
 survive the framing whatever their length, and a follower `LLM` that replays what the
 leader's engine loop broadcast (adds, an abort, a rejected add, steps, idle messages, the
-stop) produces the leader's tokens, sampled ones included (seeds drawn by the engine).
+stop) produces the leader's tokens, sampled ones included (seeds drawn by the engine), with
+synchronous and async scheduling.
 The same over two real processes and HTTP: tests/parallel/test_multiprocess.py.
 """
 
@@ -116,10 +117,16 @@ class _Stream:
 
 
 @pytest.fixture(scope="module")
-def engines():
-    model = random_model(preset("tiny"))
+def model():
+    return random_model(preset("tiny"))
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def engines(model, request):
+    """(leader's, follower's) engines; async scheduling keeps a step in flight between calls."""
     tokenizer = ByteTokenizer(model.config.vocab_size)
-    return [LLM(model, tokenizer=tokenizer, **SHAPES) for _ in range(2)]
+    options = dict(SHAPES, async_scheduling=request.param == "async")
+    return [LLM(model, tokenizer=tokenizer, **options) for _ in range(2)]
 
 
 def test_a_follower_replays_the_leaders_engine_loop(engines):
