@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -423,13 +424,9 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0 or not args.request_timeout > 0:
         raise ValueError("--max-queue must be >= 0 and --request-timeout > 0")
-    from kimi_linear_jax.parallel.distributed import Distributed
-
-    dist = Distributed.parse(_distributed(args))
-    if dist is not None and dist.num_processes > 1:
-        # Requests reach process 0 only; the others would need them broadcast as they arrive.
-        raise ValueError("serve runs in one process; several processes work with generate")
     llm = llm_from_args(args)
+    if not _leader():  # requests reach process 0; the others replay its engine loop
+        return _follow(llm)
     name = model_name_for(args.model, args.served_model_name)
     serve(
         llm,
@@ -440,6 +437,21 @@ def cmd_serve(args) -> int:
         request_timeout=args.request_timeout,
         enable_docs=args.enable_docs,
     )
+    return 0
+
+
+def _follow(llm) -> int:
+    """`serve` on a process other than 0: no server, no output; exit 0 when process 0 stops."""
+    from serving.lockstep import follow
+
+    try:
+        follow(llm)
+    except Exception as e:  # noqa: BLE001 - out of step with process 0: end, loudly
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        # Not a normal exit: jax.distributed's shutdown at exit is a barrier that process 0,
+        # waiting for this process in a collective, would never reach. Leaving at once lets
+        # the coordination service's heartbeat end it too.
+        os._exit(1)
     return 0
 
 

@@ -4,6 +4,10 @@ The engine is not thread-safe, so HTTP handlers never touch it: they put add / a
 on a thread-safe queue that the loop drains before each step, and the loop hands each
 request's outputs back to the asyncio side through a per-request `asyncio.Queue`
 (`loop.call_soon_threadsafe`).
+
+Across several processes (process 0 serves; `serving/lockstep.py`) each iteration first
+broadcasts its commands (the adds and aborts it drained, whether it steps, or the stop) and
+the other processes replay them; with one process nothing is broadcast.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import logging
 import queue
 import threading
 
+from kimi_linear_jax.parallel import distributed
+from serving import lockstep
 from serving.engine import LLM
 from serving.sampling import SamplingParams
 
@@ -36,17 +42,28 @@ class Stream:
 
 
 class EngineLoop:
-    """The one thread that owns the `LLM`: drains commands, steps, routes outputs."""
+    """The one thread that owns the `LLM`: drains commands, steps, routes outputs.
 
-    def __init__(self, llm: LLM) -> None:
+    `channel`: the lockstep broadcast to the other processes (`serving/lockstep.py`); by
+    default one when several processes run (this must then be process 0), else none."""
+
+    def __init__(self, llm: LLM, channel: lockstep.Channel | None = None) -> None:
+        if channel is None and distributed.multi_process():
+            if not distributed.is_leader():
+                raise ValueError(
+                    "the server runs on process 0; the other processes run serving.lockstep.follow"
+                )
+            channel = lockstep.Channel(leader=True)
         self.llm = llm
         self.snapshot = llm.metrics()  # read by /metrics; replaced (not mutated) by the loop
+        self._channel = channel
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, Stream] = {}
         self._stop = threading.Event()
         self._resumed = threading.Event()
         self._resumed.set()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        run = self._run if channel is None else self._run_lockstep
+        self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self.broken: str | None = None  # set when a step raised out of the engine itself
 
     def start(self) -> None:
@@ -57,10 +74,7 @@ class EngineLoop:
         self._stop.set()
         self._resumed.set()
         self._thread.join(timeout=30)
-        for rid, stream in self._streams.items():
-            stream.push(RuntimeError("server shutting down"))
-            self.llm.abort_request(rid)
-        self._streams.clear()
+        self._fail_all("server shutting down")
 
     @property
     def alive(self) -> bool:
@@ -84,19 +98,70 @@ class EngineLoop:
         while not self._stop.is_set():
             if not self._resumed.wait(timeout=0.1):
                 continue
-            self._drain(block=not self.llm.has_unfinished_requests())
+            idle = not self.llm.has_unfinished_requests()
+            for command in self._take(0.05 if idle else 0):
+                self._apply(command)
             if self.llm.has_unfinished_requests():
                 self._step()
             self.snapshot = self.llm.metrics()
 
-    def _drain(self, block: bool) -> None:
+    def _run_lockstep(self) -> None:
+        """`_run` across processes: each iteration applies what it drained, broadcasts that
+        and whether it steps (even an empty message: the followers wait in the broadcast),
+        then steps. A fault ends every process (they could no longer stay in step): the
+        followers get a stop with the error."""
+        error = None
         try:
-            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-            while True:
-                self._apply(command)
-                command = self._commands.get_nowait()
-        except queue.Empty:
+            while error is None and not self._stop.is_set():
+                error = self._lockstep_iteration()
+            self._send([lockstep.stop_command(error)])
+        except _Lost:
             return
+
+    def _lockstep_iteration(self) -> str | None:
+        """One iteration; the error that stops every process, if any."""
+        try:
+            commands, step = [], False
+            if self._resumed.wait(timeout=lockstep.IDLE_INTERVAL_S):
+                idle = not self.llm.has_unfinished_requests()
+                commands = self._take(lockstep.IDLE_INTERVAL_S if idle else 0)
+                for command in commands:
+                    self._apply(command)
+                step = self.llm.has_unfinished_requests()
+            message = [_wire(c) for c in commands] + ([lockstep.STEP] if step else [])
+        except Exception as e:  # noqa: BLE001 - a bug here must stop the followers, not hang them
+            log.exception("engine loop failed")
+            self.broken = f"{type(e).__name__}: {e}"
+            self._fail_all(f"engine loop failed: {self.broken}")
+            return self.broken
+        self._send(message)
+        if step:
+            self._step()
+            if self.broken is not None:
+                return self.broken
+        self.snapshot = self.llm.metrics()
+        return None
+
+    def _send(self, message: list) -> None:
+        """Broadcast to the followers; raise _Lost (every request failed) if that fails."""
+        try:
+            self._channel.send(message)
+        except Exception as e:  # a collective failed: no engine left to serve with
+            log.exception("lockstep broadcast failed")
+            self.broken = f"lost the other processes: {type(e).__name__}: {e}"
+            self._fail_all(f"engine stopped: {self.broken}")
+            raise _Lost from e
+
+    def _take(self, timeout: float) -> list[tuple]:
+        """The queued commands, after waiting up to `timeout` for the first."""
+        commands = []
+        try:
+            first = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+            commands.append(first)
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            return commands
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -118,10 +183,7 @@ class EngineLoop:
         except Exception as e:  # the engine broke: fail every request rather than hang them
             log.exception("engine step failed")
             self.broken = f"{type(e).__name__}: {e}"
-            for rid, stream in self._streams.items():
-                stream.push(RuntimeError(f"engine step failed: {e}"))
-                self.llm.abort_request(rid)
-            self._streams.clear()
+            self._fail_all(f"engine step failed: {e}")
             return
         self.broken = None
         for out in outputs:
@@ -131,3 +193,21 @@ class EngineLoop:
             stream.push(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in self._streams.items():
+            stream.push(RuntimeError(message))
+            self.llm.abort_request(rid)
+        self._streams.clear()
+
+
+class _Lost(Exception):
+    """The broadcast to the other processes failed."""
+
+
+def _wire(command: tuple) -> list:
+    """A queued command as the followers get it (the stream stays here)."""
+    if command[0] == "abort":
+        return lockstep.abort_command(command[1])
+    _, rid, prompt, params, _ = command
+    return lockstep.add_command(rid, prompt, params)

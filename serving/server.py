@@ -195,7 +195,10 @@ class OpenAIServer:
         recover from. A fault it recovered from (the step's requests failed alone) is shown
         as `last_error` with status ok."""
         if not self.engine.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            body = {"status": "engine loop stopped"}
+            if self.engine.broken is not None:  # across processes a fault ends the loop
+                body["error"] = self.engine.broken
+            return JSONResponse(body, status_code=503)
         if self.engine.broken is not None:
             body = {"status": "engine cannot step", "error": self.engine.broken}
             return JSONResponse(body, status_code=503)
@@ -306,6 +309,8 @@ class OpenAIServer:
         what the engine rejects (its ValueError message)."""
         if self.in_flight >= self.llm.max_num_seqs + self.max_queue:
             raise ApiError(503, "server busy: the request queue is full", "server_busy")
+        if not self.engine.alive:  # nothing would ever take the request
+            raise ApiError(503, "the engine loop has stopped", "server_error")
         now = time.perf_counter()
         ticket = _Ticket(f"cmpl-{uuid.uuid4().hex}", Stream(), now, now + self.request_timeout)
         self.in_flight += 1

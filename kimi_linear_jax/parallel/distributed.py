@@ -7,8 +7,8 @@ run the same jitted steps in the same order and print nothing. The inputs of eac
 derived deterministically on every process from the same requests (same order, same ids,
 same engine seed): a step's host inputs are small, but deciding them needs the scheduler's
 whole state, so replaying the scheduler is simpler and cheaper than broadcasting each step's
-batch. Requests that reach only the leader (the server) are broadcast once, as they arrive
-(`serving/lockstep.py`).
+batch. Requests that reach only the leader (the server) are broadcast by its engine loop,
+each iteration's with whether it steps (`serving/lockstep.py`).
 
 The axis that crosses processes is the mesh's first ("model"): devices are listed process by
 process, so a DCP group (contiguous devices) stays inside one host when dcp divides the

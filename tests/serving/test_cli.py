@@ -299,7 +299,42 @@ def test_plan_bad_input_exits_2(capsys):
     assert rc == 2 and out == "" and "cannot read '80 furlongs'" in err
 
 
-def test_serve_refuses_several_processes(capsys):
-    argv = ["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "0"]
-    rc, _, err = run(capsys, "serve", *argv)
-    assert rc == 2 and "serve runs in one process" in err
+def _as_follower(monkeypatch, follow):
+    """`serve` as process 1 of a group: no model load, no process group (stubs)."""
+    import serving.lockstep
+    import serving.server
+
+    monkeypatch.setattr(cli, "llm_from_args", lambda args: "llm")
+    monkeypatch.setattr(cli, "_leader", lambda: False)
+    monkeypatch.setattr(serving.lockstep, "follow", follow)
+    monkeypatch.setattr(serving.server, "serve", lambda *a, **k: pytest.fail("served"))
+
+
+def test_serve_on_a_follower_replays_process_0_and_prints_nothing(monkeypatch, capsys):
+    """Several processes (issue 14): process 0 serves; another runs the lockstep follower
+    (no HTTP server) and exits 0 when process 0 stops."""
+    followed = []
+    _as_follower(monkeypatch, followed.append)
+    rc, out, err = run(capsys, "serve", "--port", "1")
+    assert (rc, out, err, followed) == (0, "", "", ["llm"])
+
+
+def test_serve_on_a_follower_out_of_step_exits_1_at_once(monkeypatch, capsys):
+    """A follower that can no longer follow names why and leaves without jax's exit barrier
+    (process 0 would never reach it)."""
+
+    def follow(llm):
+        raise RuntimeError("process 0 stopped the engine: boom")
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        raise Exited(code)
+
+    _as_follower(monkeypatch, follow)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    with pytest.raises(Exited) as exited:
+        main(["serve"])
+    assert exited.value.args == (1,)
+    assert "error: RuntimeError: process 0 stopped the engine: boom" in capsys.readouterr().err

@@ -445,6 +445,16 @@ def test_shutdown_is_bounded_with_a_request_in_flight(setup):
     assert not app.state.server.engine.alive
 
 
+def test_a_stopped_engine_loop_refuses_requests_at_once(fresh):
+    """Across processes a fault ends the loop (the processes are out of step): new requests
+    get a 503 at once rather than a 504 when nothing ever takes them."""
+    url, server, _ = fresh
+    server.engine.stop()
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello"}, timeout=TIMEOUT)
+    assert r.status_code == 503 and "engine loop has stopped" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503
+
+
 def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
     """`kimi-linear-jax serve` hands uvicorn a bound: SIGINT / SIGTERM cancel what still runs
     after it (uvicorn's default is to wait for every request, however long)."""
