@@ -16,7 +16,8 @@ install-test: $(VENV)/bin/activate
 	$(PIP) install -q -e '.[test]'
 
 run: install
-	$(VENV)/bin/kimi-linear-jax generate --prompt "The quick brown fox" --max-tokens 32 --num-scheduler-steps 8
+	$(VENV)/bin/kimi-linear-jax generate --output-format text --max-tokens 96 --num-scheduler-steps 8 \
+		--prompt "$$(printf 'import os\n\n\ndef list_python_files(root):\n    """Return the paths of the .py files under root."""\n    ')"
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -23,10 +23,12 @@ no step snapshots a checkpoint) prefills B prompts of ``--prompt-len`` ids and t
    page faults per compiled call (``getrusage``: fresh temp pages touched), and the
    weight-bytes roofline of ``throughput.py`` at the bandwidth measured in the same run.
 
-``--model default`` is the built-in default model (``LLM()``: `small` shapes, byte vocabulary
-of 320); ``--model small`` is the ``small`` preset with its 16,384-token vocabulary, the model
-of ``throughput.py``. The tables go to ``results/decode_profile*.json``; ``--dump-hlo DIR``
-writes the optimized HLO that the op names refer to.
+``--model default`` is the built-in default model of the time these figures were first taken
+(`small` shapes with a byte vocabulary of 320, random weights; the built-in model is now the
+trained `pycode`); ``--model small`` is the ``small`` preset with its 16,384-token
+vocabulary, the model of ``throughput.py``. The tables go to
+``results/decode_profile*.json``; ``--dump-hlo DIR`` writes the optimized HLO that the op
+names refer to.
 
 Run: ``python benchmarks/decode_profile.py [--batches 1,8] [--model default] [--steps 24]
 [--repeats 3] [--trace-calls 20]`` (under a minute for the defaults on the 2-core development
@@ -247,7 +249,8 @@ def per_call_op_times(trace_dir: str, op_names: set[str]) -> dict:
 # ---- the engine and its compiled decode -------------------------------------------------------
 def make_engine(model: str, b: int, prompt_len: int, steps: int) -> LLM:
     """One engine per batch size: batch bucket b, the whole prompt in one prefill chunk."""
-    src = None if model == "default" else random_model(preset("small"), dtype=jnp.float32)
+    vocab = {"vocab_size": 320} if model == "default" else {}
+    src = random_model(preset("small", **vocab), dtype=jnp.float32)
     return LLM(
         src,
         max_num_seqs=b,

@@ -246,37 +246,32 @@ def load_pretrained(
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-# The built-in default model: the `small` preset's shapes with a byte-sized vocabulary, so
-# that what it samples decodes to (noisy) bytes rather than unused ids.
-DEFAULT_PRESET = "small"
-DEFAULT_VOCAB = 320
+# The built-in models, installed with the package: `pycode` (about 14M parameters) and its
+# draft `pycode-draft`, trained by `kimi-linear-jax train` on the Python standard library
+# (README "The built-in model"). Stored in bfloat16 to keep the wheel small; "auto" runs them
+# in float32.
+BUILTIN_DIR = os.path.join(os.path.dirname(__file__), "builtin")
+BUILTIN_MODEL = os.path.join(BUILTIN_DIR, "pycode")
+BUILTIN_DRAFT = os.path.join(BUILTIN_DIR, "pycode-draft")
 
 
 def model_config(path: str | os.PathLike | None) -> KimiLinearConfig:
     """The config of a checkpoint dir, or of the built-in default model (`path=None`), read
     without loading weights (to check a parallel plan before the load)."""
-    if path is None:
-        from kimi_linear_jax.config import preset
-
-        return preset(DEFAULT_PRESET, vocab_size=DEFAULT_VOCAB)
-    return read_config(path)
+    return read_config(BUILTIN_MODEL if path is None else path)
 
 
 def load_model_and_tokenizer(
     path: str | os.PathLike | None, dtype="auto", *, parallel: Parallel = ONE_DEVICE
 ):
     """(model, tokenizer or None) from a checkpoint dir, or for `path=None` the built-in
-    default model: seeded random weights and the byte-level tokenizer (its text is noise).
-    `parallel`: the plan to build the model for (see `load_pretrained`)."""
-    from kimi_linear_jax.model import init_model
-    from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
+    default model with its BPE tokenizer. `parallel`: the plan to build the model for (see
+    `load_pretrained`)."""
+    from kimi_linear_jax.tokenizer import load_tokenizer
 
     if dtype == "auto":
         dtype = auto_dtype(path)
-    if path is None:
-        cfg = model_config(None)
-        model = init_model(cfg, seed=0, dtype=resolve_dtype(dtype), par=parallel)
-        return model, ByteTokenizer(cfg.vocab_size)
+    path = BUILTIN_MODEL if path is None else path
     model = load_pretrained(path, dtype=dtype, parallel=parallel)
     return model, load_tokenizer(path, model.config.vocab_size)
 

@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input", help="JSONL file of requests ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     g.add_argument("--output", default=None, help="JSONL output file (default: stdout)")
+    g.add_argument(
+        "--output-format",
+        choices=["json", "text"],
+        default="json",
+        help="text: print the prompt and its continuation as plain text (one --prompt)",
+    )
     _add_model_flags(g)
     _add_sampling_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -303,7 +309,11 @@ def _single(args, llm, params, prompt) -> int:
         (out,) = llm.generate([prompt], params, use_tqdm=False)
     if out.finish_reason == "error":
         raise ValueError(_result(out)["error"])
-    _write_lines(args.output, [_result(out)])
+    if args.output_format == "text" and _leader():
+        shown = prompt if isinstance(prompt, str) and not args.chat else ""
+        sys.stdout.write(shown + (out.text or "") + "\n")
+    else:
+        _write_lines(args.output, [_result(out)])
     return len(out.token_ids)
 
 
@@ -391,6 +401,8 @@ def _prompt_or_lines(args):
     if args.input is not None:
         if args.chat:
             raise ValueError('--chat applies to --prompt; in --input lines use "messages"')
+        if args.output_format != "json":
+            raise ValueError("--output-format text applies to --prompt; --input writes JSONL")
         text = sys.stdin.read() if args.input == "-" else open(args.input).read()
         return [line for line in text.splitlines() if line.strip()]
     if args.prompt_ids is None:

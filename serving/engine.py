@@ -29,7 +29,7 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
+from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, load_model_and_tokenizer, model_config
 from kimi_linear_jax.model import KimiLinearForCausalLM
 from kimi_linear_jax.parallel import distributed as distributed_mod
 from kimi_linear_jax.parallel.distributed import Distributed
@@ -123,6 +123,16 @@ def _load_model(model, dtype: str, tokenizer, par: Parallel = SINGLE):
         return model, tokenizer
     built, found = load_model_and_tokenizer(model, dtype, parallel=par)
     return built, tokenizer if tokenizer is not None else found
+
+
+def _check_draft_pairing(draft, target) -> None:
+    """The built-in draft model (`draft=None`) shares only the built-in model's tokenizer."""
+    if draft is None and target is not None:
+        raise ValueError(
+            "speculative method 'draft_model' without 'model' uses the built-in draft model, "
+            "which drafts for the built-in default model only: pass 'model' (a draft "
+            "checkpoint with the target's vocabulary)"
+        )
 
 
 def _draft_plan(config, par: Parallel) -> Parallel:
@@ -247,6 +257,8 @@ class LLM:
         self.track_interval = resolve_track_interval(track_interval, page_size, par.dcp)
         if drafter is not None and self.speculative is None:
             raise ValueError("drafter= needs speculative={'num_draft_tokens': k, ...}")
+        if self.speculative and self.speculative.method == "draft_model":
+            _check_draft_pairing(self.speculative.model, model)
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
         draft_model = self._load_draft(dtype) if drafter is None else None
@@ -622,8 +634,9 @@ class LLM:
         spec = self.speculative
         if spec is None or spec.method == "ngram":
             return None
-        draft_par = _draft_plan(_config_of(spec.model), self.parallel)
-        draft, _ = _load_model(spec.model, dtype, None, draft_par)
+        source = BUILTIN_DRAFT if spec.model is None else spec.model
+        draft_par = _draft_plan(_config_of(source), self.parallel)
+        draft, _ = _load_model(source, dtype, None, draft_par)
         if draft.config.vocab_size != self.config.vocab_size:
             raise ValueError(
                 f"speculative draft model vocab_size {draft.config.vocab_size} != target "

@@ -11,7 +11,9 @@ METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     method: str
     num_draft_tokens: int
-    model: str | None = None  # draft checkpoint path (draft_model)
+    # draft_model: a checkpoint path or a model; None is the built-in draft model, which
+    # drafts for the built-in default model only.
+    model: str | None = None
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     # Requests whose recent acceptance falls below this stop drafting (probing now and then);
@@ -41,8 +43,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}"
             )
-        if self.method == "draft_model" and self.model is None:
-            raise ValueError("speculative method 'draft_model' needs 'model' (a path or model)")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(
                 f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}"

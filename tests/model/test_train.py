@@ -16,7 +16,7 @@ import pytest
 from kimi_linear_jax import corpus, load_pretrained
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import forward
-from kimi_linear_jax.train import Trainer, TrainConfig, model_config_for, prepare_data, train
+from kimi_linear_jax.train import TrainConfig, Trainer, model_config_for, prepare_data, train
 from serving.cli import main as cli_main
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

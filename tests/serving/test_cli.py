@@ -154,7 +154,10 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
         (["--model", "{ckpt}", "--prompt", "hi"], "a text prompt needs a tokenizer"),
         (["--model", "{ckpt}", "--prompt-ids", "1,2,999"], "token id 999 is outside"),
         (["--input", "{tmp}/missing.jsonl"], "No such file"),
-        (["--prompt-ids", "1", "--speculative-method", "draft_model"], "needs 'model'"),
+        (
+            ["--model", "{ckpt}", "--prompt-ids", "1", "--speculative-method", "draft_model"],
+            "drafts for the built-in default model only",
+        ),
         (["--prompt-ids", "1", "--track-interval", "48"], "multiple of the checkpoint grid 64"),
         (["--prompt-ids", "1", "--num-processes", "2"], "missing --coordinator-address"),
         (
@@ -242,8 +245,8 @@ def test_config_of_a_wrong_type_exits_2(capsys, tmp_path):
 
 def test_tp_not_dividing_the_heads_exits_2(checkpoint, capsys):
     rc, out, err = run(capsys, "generate", "--prompt-ids", "1", "-tp", "3", *FLAGS)
-    # The built-in model has 6 MLA and KDA heads and 8 experts: 3 divides the heads only.
-    assert rc == 2 and "tensor_parallel_size 3 must divide the experts (num_experts) (8)" in err
+    # The built-in model has 4 MLA and KDA heads: 3 does not divide them.
+    assert rc == 2 and "tensor_parallel_size 3 must divide the MLA heads" in err
 
 
 # ---- plan ----------------------------------------------------------------------------------------

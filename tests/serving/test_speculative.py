@@ -549,7 +549,7 @@ def test_ngram_lookup():
     [
         ({"method": "eagle"}, "method must be one of"),
         ({"method": "ngram", "num_draft_tokens": 0}, r"num_draft_tokens must be in \[1, 16\]"),
-        ({"method": "draft_model"}, "needs 'model'"),
+        ({"method": "draft_model"}, "drafts for the built-in default model only"),
         ({"method": "ngram", "k": 3}, r"unknown keys \['k'\]"),
     ],
 )
