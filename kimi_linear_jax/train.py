@@ -2,6 +2,13 @@
 state, gradient accumulation, data parallelism over the local devices, Orbax checkpoints that
 resume exactly, held-out evaluation, a JSONL log and a tqdm bar.
 
+Devices: tensor_parallel_size 1 splits the batch over the local devices (a 1-D mesh ("data",),
+parameters replicated). tensor_parallel_size tp > 1 builds the model for its own TP plan
+(`parallel.mesh.make_parallel(config, tp, 1)`): parameters and optimizer state sharded by the
+model's rules, the forward its shard_map, the batch replicated over the tp devices. The model's
+mesh ("model", "dcp") has no data axis, so tp > 1 trains on exactly tp devices, with no data
+parallelism beside it.
+
 The train state is one pytree: {"params", "opt_state", "step", "samples"}. `samples` counts
 the sequences consumed, and `corpus.Batches` makes sample i a pure function of i, so the state
 is the whole data position: a resumed run draws the batches the straight run would have.
@@ -28,6 +35,9 @@ from kimi_linear_jax import bpe, corpus
 from kimi_linear_jax.checkpoint import save_pretrained
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.model import KimiLinearForCausalLM, init_model
+from kimi_linear_jax.parallel import rules
+from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel
+from kimi_linear_jax.parallel.mesh import validate as validate_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +56,18 @@ class TrainConfig:
     eval_batches: int = 8
     save_every: int = 100
     time_budget: float | None = None  # seconds; stops early (and saves) when spent
+    tensor_parallel_size: int = 1  # > 1: the model's TP plan over that many devices, no DP
 
     def validate(self, num_devices: int) -> None:
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every"):
+        """`num_devices`: the devices the batch is split over (1 under tensor parallelism)."""
+        for name in (
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "eval_every",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % num_devices:
@@ -95,35 +114,98 @@ def token_nll(model: KimiLinearForCausalLM, tokens: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
+def tensor_parallel_plan(config: KimiLinearConfig, tp: int, devices=None) -> Parallel:
+    """The model's TP plan over exactly `tp` devices (the first `tp` local ones by default).
+    Its mesh has no data axis and its shard_map takes the batch replicated, so more devices
+    than tp would sit idle: asking for them is an error rather than a silent half-used run."""
+    if devices is None:
+        devices = jax.local_devices()[:tp]
+    elif len(devices) != tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} trains on exactly {tp} devices (no data parallelism "
+            f"beside it: the model's mesh has no data axis), got {len(devices)} devices"
+        )
+    return make_parallel(config, tp, 1, devices=devices)
+
+
 class Trainer:
-    """Builds the jitted train / eval steps for one model shape and optimizer."""
+    """Builds the jitted train / eval steps for one model shape, optimizer and device plan:
+    data parallel over `devices` (tensor_parallel_size 1), or the model's TP plan."""
 
     def __init__(self, config: KimiLinearConfig, tc: TrainConfig, devices=None) -> None:
         self.config, self.tc = config, tc
-        devices = list(devices if devices is not None else jax.local_devices())
-        tc.validate(len(devices))
-        self.mesh = Mesh(np.asarray(devices), ("data",))
+        tp = tc.tensor_parallel_size
+        if tp > 1:
+            self.par = tensor_parallel_plan(config, tp, devices)
+            tc.validate(1)
+            self.mesh = self.par.mesh
+            batch_spec = eval_spec = P()  # every TP rank sees the whole batch
+        else:
+            self.par = SINGLE
+            devices = list(devices if devices is not None else jax.local_devices())
+            tc.validate(len(devices))
+            self.mesh = Mesh(np.asarray(devices), ("data",))
+            batch_spec, eval_spec = P(None, "data", None), P("data", None)  # [accum, B, T+1]
         self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P(None, "data", None))  # [accum, B, T+1]
-        self.eval_sharding = NamedSharding(self.mesh, P("data", None))
-        model = nnx.eval_shape(lambda: init_model(config, seed=tc.seed))
+        self.batch_sharding = NamedSharding(self.mesh, batch_spec)
+        self.eval_sharding = NamedSharding(self.mesh, eval_spec)
+        model = nnx.eval_shape(lambda: init_model(config, seed=tc.seed, par=self.par))
         self.graphdef, abstract = nnx.split(model, nnx.Param)
         self.abstract = abstract
         self.tx = optimizer(tc)
-        self._step = jax.jit(self._train_step, donate_argnums=0)
+        self._shapes = jax.eval_shape(self._init)  # traced once: a large model's init is slow
+        self.state_shardings = self._state_shardings(self._shapes)
+        # Shardings pinned in and out: the donated state keeps its layout step after step, and
+        # a state laid out otherwise (a bad restore) fails loudly instead of being resharded.
+        self._step = jax.jit(
+            self._train_step,
+            donate_argnums=0,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self.replicated),
+        )
         self._eval = jax.jit(self._eval_sum)
 
     # ---- state ------------------------------------------------------------------------------
-    def init_state(self) -> dict:
+    def _init(self) -> dict:
+        # Built unsharded: the parameters do not depend on the plan, and under jit with
+        # sharded outputs each device computes only its shards.
         model = init_model(self.config, seed=self.tc.seed, dtype=jnp.float32)
         _, params = _split(model)
-        state = {
+        return {
             "params": params,
             "opt_state": self.tx.init(params),
             "step": jnp.zeros((), jnp.int32),
             "samples": jnp.zeros((), jnp.int64 if jax.config.x64_enabled else jnp.int32),
         }
-        return jax.device_put(state, self.replicated)
+
+    def _state_shardings(self, abstract_state: dict) -> dict:
+        """Replicated on the data mesh; under TP each parameter by the model's rules, and each
+        optimizer moment like its parameter (the optimizer's scalars replicated)."""
+        if not self.par.sharded:
+            return jax.tree.map(lambda _: self.replicated, abstract_state)
+        specs = rules.param_specs(self.abstract, rules.ShardingRules.for_parallel(self.par))
+        params = rules.shardings(nnx.to_pure_dict(specs), self.mesh)
+        opt_state = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            abstract_state["opt_state"],
+            params,
+            transform_non_params=lambda _: self.replicated,
+        )
+        rep = self.replicated
+        return {"params": params, "opt_state": opt_state, "step": rep, "samples": rep}
+
+    def init_state(self) -> dict:
+        """A fresh train state, created on its shards (never whole on one device)."""
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> dict:
+        """Shapes, dtypes and shardings of the train state: what a restore fills in."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._shapes,
+            self.state_shardings,
+        )
 
     def model(self, state: dict) -> KimiLinearForCausalLM:
         return _merge(self.graphdef, self.abstract, state["params"])
@@ -197,7 +279,8 @@ def save_state(path: Path, state: dict) -> None:
 
 
 def restore_state(path: Path, like: dict) -> dict | None:
-    """The latest train state under `path`, laid out like `like`; None when there is none."""
+    """The latest train state under `path`, laid out like `like` (arrays or
+    `Trainer.abstract_state()`: each array restored onto its shards); None when there is none."""
     import orbax.checkpoint as ocp
 
     with _manager(path) as mngr:
@@ -209,11 +292,13 @@ def restore_state(path: Path, like: dict) -> dict | None:
 
 def export(trainer: Trainer, state: dict, path: Path, dtype=jnp.float32) -> None:
     """The trained weights in the Hugging Face layout (`save_pretrained`), cast to `dtype`
-    where the model stores that dtype (tensors it keeps in fp32 stay fp32)."""
+    where the model stores that dtype (tensors it keeps in fp32 stay fp32). Sharded
+    parameters are gathered whole to the host first, into a one-device model."""
     target = nnx.eval_shape(lambda: init_model(trainer.config, dtype=dtype))
     graphdef, abstract = nnx.split(target, nnx.Param)
     like = nnx.to_pure_dict(abstract)
-    params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), state["params"], like)
+    host = jax.device_get(state["params"])
+    params = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), host, like)
     save_pretrained(_merge(graphdef, abstract, params), path)
 
 
@@ -297,16 +382,22 @@ def train(
     ckpt_dir = out / "checkpoints"
     if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
         raise FileExistsError(f"{ckpt_dir} holds a train state; pass --resume or a new --out")
+    # A tp the model cannot take fails before the tokenizer is trained (minutes on a large
+    # corpus). The vocabulary will be the tokenizer's: a stand-in of tp passes here, and the
+    # Trainer checks the real one.
+    tc.validate(1)
+    tp = tc.tensor_parallel_size
+    validate_parallel(dataclasses.replace(config, vocab_size=tp), tp, 1, len(jax.local_devices()))
     out.mkdir(parents=True, exist_ok=True)
     prepared, tokenizer = prepare_data(data, out, tc, vocab_size)
     config = model_config_for(config, tokenizer)
     trainer = Trainer(config, tc)
-    state = trainer.init_state()
     if resume:
-        restored = restore_state(ckpt_dir, state)
-        if restored is None:
+        state = restore_state(ckpt_dir, trainer.abstract_state())
+        if state is None:
             raise FileNotFoundError(f"--resume: no train state under {ckpt_dir}")
-        state = jax.device_put(restored, trainer.replicated)
+    else:
+        state = trainer.init_state()
     (out / "data.json").write_text(
         json.dumps(
             {

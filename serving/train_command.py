@@ -34,19 +34,24 @@ def add_train_parser(sub) -> None:
     t.add_argument("--eval-batches", type=int, default=8)
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="float32")
+    t.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over N devices by its TP rules (N devices, no data parallelism); "
+        "1: split the batch over every local device",
+    )
     t.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     t.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     t.set_defaults(func=cmd_train)
 
 
-def cmd_train(args) -> int:
-    import jax.numpy as jnp
+def train_config(args):
+    """The TrainConfig the flags ask for."""
+    from kimi_linear_jax.train import TrainConfig
 
-    from kimi_linear_jax.config import KimiLinearConfig, preset
-    from kimi_linear_jax.train import TrainConfig, train
-
-    config = preset(args.preset) if args.preset else KimiLinearConfig.from_json_file(args.config)
-    tc = TrainConfig(
+    return TrainConfig(
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
@@ -61,7 +66,18 @@ def cmd_train(args) -> int:
         eval_batches=args.eval_batches,
         save_every=args.save_every,
         time_budget=args.time_budget,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def cmd_train(args) -> int:
+    import jax.numpy as jnp
+
+    from kimi_linear_jax.config import KimiLinearConfig, preset
+    from kimi_linear_jax.train import train
+
+    config = preset(args.preset) if args.preset else KimiLinearConfig.from_json_file(args.config)
+    tc = train_config(args)
     record = train(
         config,
         tc,

@@ -1,5 +1,6 @@
-"""The training loop: the loss falls, accumulation and data parallelism are the same step,
-a resumed run is the straight run, and the export loads in transformers with equal logits."""
+"""The training loop: the loss falls, accumulation, data parallelism and tensor parallelism
+are the same step, a resumed run is the straight run (also at tp 2), and the export loads in
+transformers with equal logits."""
 
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kimi_linear_jax import corpus, load_pretrained
 from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import forward
-from kimi_linear_jax.train import TrainConfig, Trainer, model_config_for, prepare_data, train
+from kimi_linear_jax.train import (
+    TrainConfig,
+    Trainer,
+    export,
+    model_config_for,
+    prepare_data,
+    train,
+)
+from serving.cli import build_parser
 from serving.cli import main as cli_main
+from serving.train_command import train_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TC = TrainConfig(
@@ -80,27 +92,102 @@ def test_new_run_refuses_an_existing_train_state(data_file, tmp_path):
         _run(tmp_path, data_file)
 
 
-def _one_step(data_file, tmp_path, tc, devices):
+def _two_steps(data_file, tmp_path, tc, devices=None):
+    """Two steps from the same start: the first one's learning rate is 0 (warmup), so only
+    the second moves the parameters (through the optimizer state the first one wrote).
+    Returns (trainer, state, the two losses)."""
     prepared, tok = prepare_data(data_file, tmp_path, tc, vocab_size=300)
     trainer = Trainer(model_config_for(preset("tiny"), tok), tc, devices=devices)
-    batch = prepared.train.take(0, tc.batch_size * tc.grad_accum)
-    state, metrics = trainer.step(
-        trainer.init_state(), batch.reshape(tc.grad_accum, tc.batch_size, -1)
-    )
-    return float(metrics["loss"]), jax.tree.leaves(jax.device_get(state["params"]))
+    state, losses = trainer.init_state(), []
+    for i in range(2):
+        batch = prepared.train.take(
+            i * tc.batch_size * tc.grad_accum, tc.batch_size * tc.grad_accum
+        )
+        state, metrics = trainer.step(state, batch.reshape(tc.grad_accum, tc.batch_size, -1))
+        losses.append(float(metrics["loss"]))
+    return trainer, state, losses
 
 
-def test_accumulation_and_data_parallel_are_the_same_step(data_file, tmp_path):
+def _params(state) -> list[np.ndarray]:
+    return jax.tree.leaves(jax.device_get(state["params"]))
+
+
+def _assert_same_step(got, want):
+    (got_losses, got_params), (want_losses, want_params) = got, want
+    np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-5)
+    for x, y in zip(got_params, want_params, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_device(data_file, tmp_path_factory):
+    """(losses, updated parameters) of two steps on one device: what every split must give."""
+    _, state, losses = _two_steps(data_file, tmp_path_factory.mktemp("one"), TC, jax.devices()[:1])
+    return losses, _params(state)
+
+
+def test_accumulation_and_data_parallel_are_the_same_step(data_file, tmp_path, one_device):
     """8 sequences as one batch on one device, as 2 x 4 accumulated, and split over 8
     devices: the same loss and the same updated parameters (up to summation order)."""
-    one = jax.devices()[:1]
-    base_loss, base = _one_step(data_file, tmp_path, TC, one)
     accum = dataclasses.replace(TC, batch_size=4, grad_accum=2)
-    for tc, devices in ((accum, one), (TC, jax.devices()[:8])):
-        loss, params = _one_step(data_file, tmp_path, tc, devices)
-        assert abs(loss - base_loss) < 1e-5
-        for x, y in zip(params, base):
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    for tc, devices in ((accum, jax.devices()[:1]), (TC, jax.devices()[:8])):
+        _, state, losses = _two_steps(data_file, tmp_path, tc, devices)
+        _assert_same_step((losses, _params(state)), one_device)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_is_the_same_step(data_file, tmp_path, one_device, tp):
+    """The model's TP plan over tp devices: the same losses and updated parameters as one
+    device; parameters and optimizer moments stay on their shards, and the export gathers
+    them whole."""
+    tc = dataclasses.replace(TC, tensor_parallel_size=tp)
+    trainer, state, losses = _two_steps(data_file, tmp_path, tc)
+    _assert_same_step((losses, _params(state)), one_device)
+    assert trainer.mesh.devices.size == tp
+    tp_axes = P(("model", "dcp"), None)
+    lm_head = state["params"]["lm_head"]["weight"]  # [vocab, hidden], vocab over the TP group
+    assert lm_head.sharding.spec == tp_axes and lm_head.sharding.mesh == trainer.mesh
+    moments = [s for s in jax.tree.leaves(state["opt_state"]) if s.shape == lm_head.shape]
+    assert moments and all(m.sharding.spec == tp_axes for m in moments)
+    if tp == 2:
+        export(trainer, state, tmp_path / "export")
+        model = load_pretrained(tmp_path / "export", dtype="float32")
+        loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for x, y in zip(jax.tree.leaves(loaded), _params(state), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_resume_at_tensor_parallel_2_is_exact(data_file, tmp_path):
+    """The sharded train state saves and restores onto its shards: 2 + 2 steps equal 4."""
+    tc = dataclasses.replace(TC, max_steps=4, eval_every=100, tensor_parallel_size=2)
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    _run(straight, data_file, tc=tc)
+    _run(halves, data_file, tc=tc, run_steps=2)
+    _run(halves, data_file, tc=tc, resume=True)
+    assert len(_losses(straight)) == 4
+    assert _losses(halves) == _losses(straight)
+    a, b = load_pretrained(straight, dtype="float32"), load_pretrained(halves, dtype="float32")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bad_tensor_parallel_plans_fail_clearly(data_file, tmp_path):
+    bad = dataclasses.replace(TC, tensor_parallel_size=3)  # tiny has 4 heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the MLA heads"):
+        Trainer(preset("tiny"), bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the MLA heads"):
+        _run(tmp_path, data_file, tc=bad)
+    assert not (tmp_path / "tokenizer.json").exists()  # failed before training a tokenizer
+    tp2 = dataclasses.replace(TC, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="exactly 2 devices .no data parallelism"):
+        Trainer(preset("tiny"), tp2, devices=jax.devices()[:8])
+
+
+def test_cli_tensor_parallel_flag():
+    base = ["train", "--data", "x", "--preset", "tiny", "--out", "o"]
+    assert train_config(build_parser().parse_args(base)).tensor_parallel_size == 1
+    args = build_parser().parse_args([*base, "-tp", "2"])
+    assert train_config(args).tensor_parallel_size == 2
 
 
 def test_batch_size_must_split_over_devices():
@@ -143,8 +230,6 @@ def test_export_loads_in_transformers_with_equal_logits(data_file, tmp_path):
     ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, (2, 40))
     with torch.no_grad():
         expected = ref.eval()(torch.as_tensor(ids)).logits.numpy()
-    from flax import nnx
-
     graphdef, params = nnx.split(ours)
     got = np.asarray(forward(graphdef, params, jnp.asarray(ids, jnp.int32)))
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
