@@ -273,8 +273,11 @@ def _manager(path: Path):
 def save_state(path: Path, state: dict) -> None:
     import orbax.checkpoint as ocp
 
+    step = int(state["step"])
     with _manager(path) as mngr:
-        mngr.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
+        if step in mngr.all_steps():  # saved already (the last step was a save step)
+            return
+        mngr.save(step, args=ocp.args.StandardSave(state), force=True)
         mngr.wait_until_finished()
 
 

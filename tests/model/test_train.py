@@ -86,6 +86,13 @@ def test_resume_continues_the_straight_run_exactly(data_file, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_run_ending_on_a_save_step_saves_and_exports(data_file, tmp_path):
+    """The last step is also a periodic save step: the final save must not fail on it."""
+    _run(tmp_path, data_file, tc=dataclasses.replace(TC, max_steps=4, save_every=2))
+    assert (tmp_path / "model.safetensors").is_file()
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [2, 4]
+
+
 def test_new_run_refuses_an_existing_train_state(data_file, tmp_path):
     _run(tmp_path, data_file, run_steps=1)
     with pytest.raises(FileExistsError, match="pass --resume"):
