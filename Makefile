@@ -16,8 +16,8 @@ install-test: $(VENV)/bin/activate
 	$(PIP) install -q -e '.[test]'
 
 run: install
-	$(VENV)/bin/kimi-linear-jax generate --output-format text --max-tokens 96 --num-scheduler-steps 8 \
-		--prompt "$$(printf 'import os\n\n\ndef list_python_files(root):\n    """Return the paths of the .py files under root."""\n    ')"
+	$(VENV)/bin/kimi-linear-jax generate --output-format text --max-tokens 96 --repetition-penalty 1.2 \
+		--prompt "$$(printf 'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self')"
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows, ["config", "k", "decode_tok_s", "speedup", "acceptance", "mean_acc_len", "identical"]
     )
     meta = {"prompts": len(prompts), "prompt_len": a.prompt_len, "max_tokens": n, "B": 1}
-    print("wrote", write_json("code_speculation", rows, meta))
+    print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta))
     return rows
 
 

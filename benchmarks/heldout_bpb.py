@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("\ntraining curve (held-out windows during training)")
         print_table(points, ["step", "loss", "eval_loss", "eval_bpb", "elapsed_s"])
     meta = {"model": os.path.relpath(a.model), "window": window, "stride": window // 2}
-    print("wrote", write_json("heldout_bpb", rows + [{"curve": points}], meta))
+    name = "heldout_bpb_" + os.path.basename(os.path.normpath(a.model))
+    print("wrote", write_json(name, rows + [{"curve": points}], meta))
     return rows
 
 
