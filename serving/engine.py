@@ -14,35 +14,39 @@ token id outside the vocabulary, text without a tokenizer, prompt + max_tokens p
 `max_model_len` or the page pool, a sampling parameter out of range) and queues nothing. In
 `generate` / `chat` an invalid prompt fails alone: its output has finish_reason "error" and the
 message; the others run.
+
+Parts of `LLM` live beside it, one concern a module: `batch.py` (`generate`, `chat`),
+`inputs.py` (the check of `add_request`'s input), `output.py` (`RequestOutput`, logprobs, stop
+strings), `async_steps.py` (async scheduling), `engine_metrics.py` (`metrics`) and `loading.py`
+(the target and draft models).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import random
 import time
 from collections.abc import Sequence
 
 import jax
 from jax.experimental import multihost_utils
-from tqdm.auto import tqdm
 
-from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, load_model_and_tokenizer, model_config
-from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.checkpoint import BUILTIN_DRAFT
 from kimi_linear_jax.parallel import distributed as distributed_mod
 from kimi_linear_jax.parallel.distributed import Distributed
-from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, make_parallel, validate
+from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.plan import STATE_MEMORY_RATIO, parse_bytes
-from kimi_linear_jax.parallel.rules import shard_model
-from kimi_linear_jax.tokenizer import validate_messages
 from serving.allocator import PageAllocator
+from serving.async_steps import AsyncStepsMixin
+from serving.batch import BatchMixin
+from serving.engine_metrics import COUNTERS, MetricsMixin
+from serving.inputs import InputsMixin
+from serving.loading import _check_draft_pairing, _config_of, _draft_plan, _load_model
 from serving.memory import PoolOptions, plan_pools
+from serving.output import OutputsMixin, RequestOutput, _Tracked
 from serving.prefix_cache import PrefixCache
-from serving.request import Request
 from serving.runner import InFlight, ModelRunner
-from serving.sampling import SamplingParams, is_int, resolve_seed
+from serving.sampling import SamplingParams, is_int
 from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
@@ -52,115 +56,8 @@ from serving.state_pool import StatePool
 
 log = logging.getLogger("kimi_linear_jax.engine")
 
-# Counters of `LLM.metrics()` (besides the current-load gauges it adds).
-COUNTERS = (
-    "requests",
-    "finished",
-    "aborted",
-    "rejected",
-    "prompt_tokens",
-    "prefill_tokens",
-    "generation_tokens",
-    "steps",
-    "step_errors",
-    "preemptions",
-)
 
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A request's result (vLLM's names). `logprobs`, when asked for, has one dict per generated
-    token mapping token id -> logprob: the sampled token and the top `logprobs` tokens.
-    `prompt_logprobs`, when asked for, has one entry per prompt token: None for the first (it
-    has no context), then a dict of the same form for prompt token i given tokens [:i] (the
-    token and the top `prompt_logprobs` tokens; `serving/prompt_logprobs.py`). Both are raw
-    model logprobs (before penalties, temperature and truncation). Such a request takes no
-    prefix-cache hit (the skipped positions would have no logits); it still fills the cache.
-    Entries of positions not computed (a request that ended in its prefill) stay None.
-    `finish_reason` is "stop", "length", "abort", "error" (then `error` says why) or None while
-    the request runs; `stop_reason` is the stop string or stop token id that ended it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    num_cached_tokens: int = 0
-    stop_reason: str | int | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _iterable(x) -> bool:
-    try:
-        iter(x)
-    except TypeError:
-        return False
-    return True
-
-
-def _config_of(model):
-    """The model's config without loading weights (None, a path or a model instance)."""
-    if isinstance(model, KimiLinearForCausalLM):
-        return model.config
-    if model is None or isinstance(model, str | os.PathLike):
-        return model_config(model)
-    raise TypeError(f"model must be None, a path or a KimiLinearForCausalLM, got {type(model)}")
-
-
-def _load_model(model, dtype: str, tokenizer, par: Parallel = SINGLE):
-    """(model, tokenizer) from None (built-in default), a path, or a model instance, built
-    for the plan `par` (a given instance is placed onto its mesh)."""
-    if isinstance(model, KimiLinearForCausalLM):
-        if model.par != par:
-            model = shard_model(model, par)
-        return model, tokenizer
-    built, found = load_model_and_tokenizer(model, dtype, parallel=par)
-    return built, tokenizer if tokenizer is not None else found
-
-
-def _check_draft_pairing(draft, target) -> None:
-    """The built-in draft model (`draft=None`) shares only the built-in model's tokenizer."""
-    if draft is None and target is not None:
-        raise ValueError(
-            "speculative method 'draft_model' without 'model' uses the built-in draft model, "
-            "which drafts for the built-in default model only: pass 'model' (a draft "
-            "checkpoint with the target's vocabulary)"
-        )
-
-
-def _draft_plan(config, par: Parallel) -> Parallel:
-    """The draft model shares the target's mesh when its shapes divide by the TP degree;
-    otherwise it runs whole on one device (it is small; its caches follow it)."""
-    if not par.sharded:
-        return par
-    try:
-        validate(config, par.tp, par.dcp, combine=par.combine)
-    except ValueError:
-        return SINGLE
-    return par
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """Engine-side bookkeeping of one request beside the scheduler's `Request`."""
-
-    request: Request
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float | None
-    text: str | None = None  # set when a stop string cut the text
-    stop_reason: str | int | None = None
-    error: str | None = None  # why the request failed (finish_reason "error")
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position
-
-
-class LLM:
+class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
     """Offline engine. `generate` / `chat` run batches to completion; `add_request`, `step`
     and `abort_request` drive it one step at a time (the server's loop does).
 
@@ -341,91 +238,6 @@ class LLM:
         self._flight: InFlight | None = None  # async: the dispatched step not yet collected
         self._overlapped = 0  # async: steps dispatched before their predecessor's tokens came
 
-    # ---- public API: batches ---------------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. An invalid prompt or parameter fails alone: its
-        output has finish_reason "error" and `error` naming the prompt's index and the
-        problem; the other prompts run."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-        return self._generate(prompts, params_list, use_tqdm)
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
-    ) -> list[RequestOutput]:
-        """`generate` on conversations rendered by the tokenizer's chat template. `messages` is
-        one conversation (a list of {role, content} dicts) or a list of them."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this model has none")
-        if not isinstance(messages, list) or not messages:
-            validate_messages(messages)  # raises with the reason
-        one = isinstance(messages[0], dict)
-        conversations = [messages] if one else list(messages)
-        prompts: list = []
-        for c in conversations:
-            try:
-                # Content is plain text: only the template's markup yields special ids.
-                prompts.append(
-                    self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)
-                )
-            except ValueError as e:
-                prompts.append(e)  # this conversation fails alone
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        return self._generate(prompts, list(sampling_params), use_tqdm)
-
-    def metrics(self) -> dict[str, int | float]:
-        """Counters since start-up plus the current load (and speculation and async scheduling,
-        when on: `overlapped_steps` counts steps dispatched before the previous step's tokens
-        reached the host)."""
-        out = dict(self._counters)
-        if self.speculative is not None:
-            spec = self.runner.spec_counts
-            rows = max(spec["verify_rows"], 1)
-            out.update(
-                spec_draft_tokens=spec["draft_tokens"],
-                spec_accepted_tokens=spec["accepted_tokens"],
-                spec_verify_steps=spec["verify_rows"],
-                # Tokens a request gains per verify (accepted drafts + the bonus token).
-                spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
-            )
-        if self.async_scheduling:
-            out["overlapped_steps"] = self._overlapped
-        if self.prefix_cache is not None:
-            stats = self.prefix_cache.stats
-            out.update({f"prefix_cache_{k}": v for k, v in stats.items()})
-            out["prefix_cache_hit_rate"] = stats["hit_tokens"] / max(stats["query_tokens"], 1)
-            out["prefix_cache_pages"] = self.allocator.num_tree_pages
-            out["prefix_cache_free_checkpoints"] = self.prefix_cache.num_free_slots
-        out.update(
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
-            pages_total=self.allocator.capacity,
-            pages_used=self.allocator.num_used,
-            slots_total=self.state_pool.num_slots - 1,
-            slots_used=self.state_pool.num_slots - 1 - self.state_pool.num_free,
-        )
-        return out
-
     # ---- public API: one step at a time ----------------------------------------------------
 
     def add_request(
@@ -525,82 +337,6 @@ class LLM:
         self._counters["prefill_tokens"] += sum(c.length for c in output.prefill)
         return [rid for rid in sampled if rid not in touched]
 
-    # ---- async scheduling: host work of one step overlaps the device work of the next -------
-
-    def _step_async(self, touched: list[str]) -> list[str]:
-        """One call of async scheduling. With a plain decode step in flight, the next one is
-        scheduled and dispatched before the in-flight step's tokens are fetched: its rows read
-        them on the device, and the host applies them (stops, logprobs, outputs) while the
-        device runs the next step. Other steps (prefill chunks, verifies, snapshots, a step
-        after which a request waits for admission) first collect what is in flight and start
-        as in synchronous scheduling (`_start`)."""
-        flight, self._flight = self._flight, None
-        if flight is not None and self.scheduler.can_schedule_ahead():
-            return self._step_ahead(flight, touched)
-        done = self._collect(flight, touched) if flight is not None else []
-        if not self.scheduler.has_unfinished():
-            return done
-        return done + self._start(self._schedule(), touched + done)
-
-    def _start(self, output, touched: list[str]) -> list[str]:
-        """Run a step scheduled with every token known. A plain decode step stays in flight
-        (the next call dispatches the following step before fetching its tokens) if it
-        compiles to the same program without any of its rows; any other step runs now."""
-        try:
-            if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
-                self._flight = self._launch(output, None)
-                return []
-            return self._run_step(output, touched)
-        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            return self._fail_step(output, e)
-
-    def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
-        """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
-        step could compile differently without some of its rows: synchronous scheduling runs
-        it without the rows that `flight`'s tokens finish or that are aborted before its
-        tokens are fetched, and the other rows' results may change in the last bits with
-        the batch bucket. Then collect first and start what remains."""
-        output = self._schedule()
-        if not self.runner.same_program_for_any_rows(output):
-            done = self._collect(flight, touched)
-            return done + self._start_survivors(output, touched + done)
-        try:
-            ahead = self._launch(output, flight)
-        except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
-            done = self._collect(flight, touched)
-            return done + self._fail_step(output, e)
-        self._overlapped += 1
-        done = self._collect(flight, touched, ahead)
-        # With nothing left unfinished, every row of `ahead` ended: its tokens would be dropped.
-        if self._flight is not None and not self.scheduler.has_unfinished():
-            self._flight = None
-        return done
-
-    def _start_survivors(self, output, touched: list[str]) -> list[str]:
-        """Start the rows of `output` (scheduled ahead) whose requests still run."""
-        self.scheduler.drop_finished(output)
-        if output.is_empty:
-            self._counters["steps"] -= 1  # every row ended: synchronously it is no step
-            return []
-        return self._start(output, touched)
-
-    def _launch(self, output, prev: InFlight | None) -> InFlight:
-        flight = self.runner.dispatch_decode(output, prev)
-        self.scheduler.advance(output)
-        return flight
-
-    def _collect(self, flight: InFlight, touched: list[str], ahead: InFlight | None = None):
-        """Fetch and apply `flight`'s tokens; `ahead` (dispatched after it) stays in flight.
-        If the fetch fails (a device fault surfaces there), `ahead` fails too: it ran on the
-        failed step's cache and tokens."""
-        try:
-            done = self._apply(flight.output, self.runner.collect(flight), touched)
-        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            failed = self._fail_step(flight.output, e)
-            return failed + (self._fail_step(ahead.output, e) if ahead is not None else [])
-        self._flight = ahead
-        return done
-
     def _fail_step(self, output, error: Exception) -> list[str]:
         """A step raised: its requests end with an error output and free what they held; the
         others keep running. If the fault consumed the device caches (a donated buffer of a
@@ -661,146 +397,4 @@ class LLM:
             f"pools fixed: {lay.num_pages} pages = {lay.pool_tokens} tokens, {lay.num_slots} "
             f"state slots, max_num_seqs {lay.max_num_seqs} (num_pages given, or no device "
             "memory known: pass device_memory= to plan)"
-        )
-
-    def _generate(self, prompts: list, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
-        """Queue every valid prompt (an Exception entry is a prompt that already failed), run
-        them all to the end, and return one output per prompt."""
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        index: dict[str, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            try:
-                if isinstance(prompt, Exception):
-                    raise prompt
-                index[self.add_request(prompt, params)] = i
-            except ValueError as e:
-                results[i] = self._error_output(prompt, f"prompt {i}: {e}")
-        self._run(index, results, use_tqdm)
-        return results
-
-    def _run(self, index: dict[str, int], results: list, use_tqdm: bool) -> None:
-        bar = tqdm(total=len(index), desc="Processed prompts", disable=not use_tqdm)
-        t0, tokens = time.perf_counter(), 0
-        try:
-            while index and self.scheduler.has_unfinished():
-                for out in self.step():
-                    i = index.get(out.request_id)
-                    if i is None or not out.finished:
-                        continue
-                    results[i] = out
-                    del index[out.request_id]
-                    tokens += len(out.token_ids)
-                    bar.update(1)
-                    bar.set_postfix(out_tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
-        finally:
-            bar.close()
-
-    def _record(self, rid: str, samples: list, before: int) -> None:
-        """Keep the logprobs of the tokens the scheduler appended; cut at a stop string."""
-        tracked = self._tracked[rid]
-        request = tracked.request
-        appended = len(request.output_token_ids) - before
-        self._counters["generation_tokens"] += appended
-        if tracked.logprobs is not None:
-            for s in samples[:appended]:
-                tracked.logprobs.append({s.token: s.logprob, **dict(s.top)})
-                tracked.cumulative_logprob += s.logprob
-        token = request.output_token_ids[-1] if appended else None
-        if request.finish_reason == "stop" and token in request.params.stop_token_ids:
-            tracked.stop_reason = token
-        if request.params.stop and self.tokenizer is not None and appended:
-            self._check_stop_strings(tracked, before)
-
-    def _record_prompt(self, found: dict) -> None:
-        """Place a step's prompt logprobs by position: a prefill again after a preemption
-        overwrites what it recomputes."""
-        for rid, (first, entries) in found.items():
-            tracked = self._tracked.get(rid)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                tracked.prompt_logprobs[first : first + len(entries)] = entries
-
-    def _check_stop_strings(self, tracked: _Tracked, before: int) -> None:
-        """Host-side stop strings (vLLM: the text excludes the stop string; the token ids end
-        with the token that completed it)."""
-        request = tracked.request
-        ids = request.output_token_ids
-        for n in range(before + 1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:n])
-            hits = [(text.find(s), s) for s in request.params.stop if s in text]
-            if not hits:
-                continue
-            pos, stop = min(hits)
-            self.scheduler.stop(request, n)
-            if tracked.logprobs is not None:
-                del tracked.logprobs[n:]
-                tracked.cumulative_logprob = sum(d[t] for d, t in zip(tracked.logprobs, ids))
-            tracked.text, tracked.stop_reason = text[:pos], stop
-            return
-
-    def _make_request(self, prompt, params: SamplingParams, request_id: str | None) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {params!r:.80}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
-            ids = [int(t) for t in prompt]
-        else:
-            bad = (
-                next((t for t in prompt if not is_int(t)), prompt) if _iterable(prompt) else prompt
-            )
-            raise ValueError(f"prompt must be a str or a list of token ids (ints), got {bad!r:.60}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt length {len(ids)} + max_tokens {params.max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}"
-            )
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=self._rng.getrandbits(32))
-        params = dataclasses.replace(params, seed=resolve_seed(params))
-        if request_id is None:
-            request_id = str(self._next_id)
-            self._next_id += 1
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        return Request(request_id, ids, params)
-
-    def _error_output(self, prompt, message: str) -> RequestOutput:
-        ids = list(prompt) if isinstance(prompt, list | tuple) else []
-        return RequestOutput(
-            request_id="",
-            prompt_token_ids=ids,
-            text=None,
-            token_ids=[],
-            finish_reason="error",
-            error=message,
-        )
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request, prompt = tracked.request, tracked.prompt_logprobs
-        text = tracked.text
-        if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.finish_reason,
-            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
-            cumulative_logprob=tracked.cumulative_logprob,
-            prompt_logprobs=None if prompt is None else list(prompt),
-            stop_reason=tracked.stop_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            error=tracked.error,
         )

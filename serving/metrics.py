@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serving.engine import COUNTERS
+from serving.engine_metrics import COUNTERS
 
 if TYPE_CHECKING:  # the server imports this module
     from serving.engine_loop import EngineLoop

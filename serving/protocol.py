@@ -10,7 +10,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.engine import RequestOutput
+from serving.output import RequestOutput
 from serving.sampling import SamplingParams
 
 

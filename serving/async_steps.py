@@ -1,0 +1,90 @@
+"""Async scheduling in `LLM` (`async_scheduling=True`): a plain decode step stays in flight
+between calls of `step`, and the next call dispatches the following step before it applies
+the in-flight step's tokens, so the host's work on one step overlaps the device's work on the
+next. Outputs do not change (README, "Async scheduling")."""
+
+from __future__ import annotations
+
+from serving.runner import InFlight
+
+
+class AsyncStepsMixin:
+    """`LLM.step` under async scheduling (`_step_async`). Mixed into `LLM`; it uses
+    `self._flight`, `self._overlapped`, `self._counters`, `self.scheduler`, `self.runner` and
+    the engine's synchronous pieces (`_schedule`, `_run_step`, `_apply`, `_fail_step`)."""
+
+    # ---- async scheduling: host work of one step overlaps the device work of the next -------
+
+    def _step_async(self, touched: list[str]) -> list[str]:
+        """One call of async scheduling. With a plain decode step in flight, the next one is
+        scheduled and dispatched before the in-flight step's tokens are fetched: its rows read
+        them on the device, and the host applies them (stops, logprobs, outputs) while the
+        device runs the next step. Other steps (prefill chunks, verifies, snapshots, a step
+        after which a request waits for admission) first collect what is in flight and start
+        as in synchronous scheduling (`_start`)."""
+        flight, self._flight = self._flight, None
+        if flight is not None and self.scheduler.can_schedule_ahead():
+            return self._step_ahead(flight, touched)
+        done = self._collect(flight, touched) if flight is not None else []
+        if not self.scheduler.has_unfinished():
+            return done
+        return done + self._start(self._schedule(), touched + done)
+
+    def _start(self, output, touched: list[str]) -> list[str]:
+        """Run a step scheduled with every token known. A plain decode step stays in flight
+        (the next call dispatches the following step before fetching its tokens) if it
+        compiles to the same program without any of its rows; any other step runs now."""
+        try:
+            if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
+                self._flight = self._launch(output, None)
+                return []
+            return self._run_step(output, touched)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            return self._fail_step(output, e)
+
+    def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
+        """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
+        step could compile differently without some of its rows: synchronous scheduling runs
+        it without the rows that `flight`'s tokens finish or that are aborted before its
+        tokens are fetched, and the other rows' results may change in the last bits with
+        the batch bucket. Then collect first and start what remains."""
+        output = self._schedule()
+        if not self.runner.same_program_for_any_rows(output):
+            done = self._collect(flight, touched)
+            return done + self._start_survivors(output, touched + done)
+        try:
+            ahead = self._launch(output, flight)
+        except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
+            done = self._collect(flight, touched)
+            return done + self._fail_step(output, e)
+        self._overlapped += 1
+        done = self._collect(flight, touched, ahead)
+        # With nothing left unfinished, every row of `ahead` ended: its tokens would be dropped.
+        if self._flight is not None and not self.scheduler.has_unfinished():
+            self._flight = None
+        return done
+
+    def _start_survivors(self, output, touched: list[str]) -> list[str]:
+        """Start the rows of `output` (scheduled ahead) whose requests still run."""
+        self.scheduler.drop_finished(output)
+        if output.is_empty:
+            self._counters["steps"] -= 1  # every row ended: synchronously it is no step
+            return []
+        return self._start(output, touched)
+
+    def _launch(self, output, prev: InFlight | None) -> InFlight:
+        flight = self.runner.dispatch_decode(output, prev)
+        self.scheduler.advance(output)
+        return flight
+
+    def _collect(self, flight: InFlight, touched: list[str], ahead: InFlight | None = None):
+        """Fetch and apply `flight`'s tokens; `ahead` (dispatched after it) stays in flight.
+        If the fetch fails (a device fault surfaces there), `ahead` fails too: it ran on the
+        failed step's cache and tokens."""
+        try:
+            done = self._apply(flight.output, self.runner.collect(flight), touched)
+        except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
+            failed = self._fail_step(flight.output, e)
+            return failed + (self._fail_step(ahead.output, e) if ahead is not None else [])
+        self._flight = ahead
+        return done

@@ -1,0 +1,58 @@
+"""`LLM.metrics()`: the engine's counters since start-up plus its current load (and
+speculation, async scheduling and prefix caching, when on). The server exports them
+(`serving/metrics.py`)."""
+
+from __future__ import annotations
+
+# Counters of `LLM.metrics()` (besides the current-load gauges it adds).
+COUNTERS = (
+    "requests",
+    "finished",
+    "aborted",
+    "rejected",
+    "prompt_tokens",
+    "prefill_tokens",
+    "generation_tokens",
+    "steps",
+    "step_errors",
+    "preemptions",
+)
+
+
+class MetricsMixin:
+    """`LLM.metrics`. Mixed into `LLM`; it reads `self._counters`, `self._overlapped`, the
+    options (`speculative`, `async_scheduling`) and the parts (`runner`, `scheduler`,
+    `allocator`, `state_pool`, `prefix_cache`)."""
+
+    def metrics(self) -> dict[str, int | float]:
+        """Counters since start-up plus the current load (and speculation and async scheduling,
+        when on: `overlapped_steps` counts steps dispatched before the previous step's tokens
+        reached the host)."""
+        out = dict(self._counters)
+        if self.speculative is not None:
+            spec = self.runner.spec_counts
+            rows = max(spec["verify_rows"], 1)
+            out.update(
+                spec_draft_tokens=spec["draft_tokens"],
+                spec_accepted_tokens=spec["accepted_tokens"],
+                spec_verify_steps=spec["verify_rows"],
+                # Tokens a request gains per verify (accepted drafts + the bonus token).
+                spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
+            )
+        if self.async_scheduling:
+            out["overlapped_steps"] = self._overlapped
+        if self.prefix_cache is not None:
+            stats = self.prefix_cache.stats
+            out.update({f"prefix_cache_{k}": v for k, v in stats.items()})
+            out["prefix_cache_hit_rate"] = stats["hit_tokens"] / max(stats["query_tokens"], 1)
+            out["prefix_cache_pages"] = self.allocator.num_tree_pages
+            out["prefix_cache_free_checkpoints"] = self.prefix_cache.num_free_slots
+        out.update(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            pages_total=self.allocator.capacity,
+            pages_used=self.allocator.num_used,
+            slots_total=self.state_pool.num_slots - 1,
+            slots_used=self.state_pool.num_slots - 1 - self.state_pool.num_free,
+        )
+        return out
