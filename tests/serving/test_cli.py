@@ -12,7 +12,7 @@ import json
 import pytest
 
 from kimi_linear_jax.testing import make_tiny_checkpoint
-from serving import cli
+from serving import cli, generate_command
 from serving.cli import main
 from serving.engine import LLM
 from serving.sampling import SamplingParams
@@ -214,8 +214,10 @@ def test_speculative_flags_keep_greedy_output(checkpoint, reference, capsys):
 
 
 def test_async_scheduling_flag_keeps_greedy_output(checkpoint, reference, capsys, monkeypatch):
-    built, real = [], cli.llm_from_args
-    monkeypatch.setattr(cli, "llm_from_args", lambda args: built.append(real(args)) or built[-1])
+    built, real = [], generate_command.llm_from_args
+    monkeypatch.setattr(
+        generate_command, "llm_from_args", lambda args: built.append(real(args)) or built[-1]
+    )
     argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]
     rc, out, _ = run(capsys, *argv, *FLAGS, "--async-scheduling")
     assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
