@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLM`: the app, its metrics and
 how it runs. The request and response bodies are in `serving/protocol.py`; the thread that
-owns the engine is `serving/engine_loop.py`.
+owns the engine is `serving/engine_loop.py`; the ASGI middleware, the SSE response and the
+background server of tests and benchmarks are in `serving/asgi.py`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /metrics (Prometheus, one registry per server). Errors use OpenAI's body
@@ -14,20 +15,19 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
+from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
 from serving.engine import LLM, RequestOutput
 from serving.engine_loop import EngineLoop, Stream
 from serving.metrics import ServerMetrics
@@ -60,40 +60,6 @@ DISCONNECT_POLL_S = 0.25
 SHUTDOWN_GRACE_S = 5
 # A request body must arrive within this long (a slowloris client must not hold a connection).
 BODY_TIMEOUT_S = 30.0
-
-
-class BodyTimeout:
-    """ASGI middleware: a request body must arrive within `timeout` seconds, or the client
-    gets a 408 and the connection is closed (a slow client that never finishes its body
-    would otherwise hold a connection forever). The body is read here and replayed."""
-
-    def __init__(self, app, timeout: float) -> None:
-        self.app, self.timeout = app, timeout
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        messages = []
-        try:
-            async with asyncio.timeout(self.timeout):
-                while True:
-                    message = await receive()
-                    messages.append(message)
-                    if message["type"] != "http.request" or not message.get("more_body"):
-                        break
-        except TimeoutError:
-            error = ApiError(
-                408, f"request body not received within {self.timeout:g} s", "invalid_request_error"
-            )
-            response = JSONResponse(error.body(), status_code=408, headers={"connection": "close"})
-            return await response(scope, receive, send)
-        pending = iter(messages)
-
-        async def replay():
-            message = next(pending, None)
-            return message if message is not None else await receive()
-
-        await self.app(scope, replay, send)
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -402,21 +368,6 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-class _EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends: done, error, or the client gone
-    (starlette cancels the body then, and the generator may never reach its `finally`)."""
-
-    def __init__(self, events, on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 # ---- running it --------------------------------------------------------------------------------
 
 
@@ -448,34 +399,3 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None
         # (their handlers abort them in the engine) and stop the engine loop.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-
-
-class BackgroundServer:
-    """uvicorn in a daemon thread on a free port (tests, benchmarks). Use as a context
-    manager; `url` is the base URL."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1") -> None:
-        # Bind here, before the thread starts, so the port is known and cannot be taken.
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
-        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
-        )
-
-    def __enter__(self) -> BackgroundServer:
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._socket.close()
