@@ -1,0 +1,76 @@
+"""`HFTokenizer`: a `tokenizer.json` run by the HF `tokenizers` library."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs
+from kimi_linear_jax.tokenization.tokenizer_config import (
+    _read_chat_template,
+    _read_json,
+    _token_content,
+)
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizer.json` run by the `tokenizers` library."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        super().__init__(chat_template=chat_template, bos_token=bos_token, eos_token=eos_token)
+        self._tokenizer = tokenizer
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self._known_ids = frozenset(vocab.values())
+        self.vocab_size = max(self._known_ids, default=-1) + 1
+        self.bos_token_id = vocab.get(bos_token) if bos_token else None
+        self.eos_token_ids = _eos_ids(vocab, eos_token)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFTokenizer:
+        """Load `tokenizer.json`, plus `tokenizer_config.json` and a chat template if present."""
+        directory = Path(path)
+        config = _read_json(directory / "tokenizer_config.json")
+        return cls(
+            tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")),
+            chat_template=_read_chat_template(directory, config),
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+        )
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        # The library's own post-processor decides what "special tokens" to add (e.g. BOS).
+        # `encode_special_tokens` makes it encode special-token strings as plain text.
+        self._tokenizer.encode_special_tokens = not parse_special
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._tokenizer.encode_special_tokens = False
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        chunks = []
+        for is_text, group in _runs(self._decodable(ids, skip_special_tokens)):
+            if is_text:
+                chunks.append("".join(group))
+            else:
+                chunks.append(
+                    self._tokenizer.decode(group, skip_special_tokens=skip_special_tokens)
+                )
+        return "".join(chunks)
+
+    def _is_known(self, token_id: int) -> bool:
+        return token_id in self._known_ids
+
+    def _is_special(self, token_id: int) -> bool:
+        # Known special tokens are skipped by the library; only unknown ids are ours to drop.
+        return token_id not in self._known_ids
