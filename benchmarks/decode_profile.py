@@ -69,7 +69,7 @@ from serving import LLM, SamplingParams  # noqa: E402
 # first frame whose function matches a rule names the part.
 STACK_RULES = [
     ("sampling (argmax)", ("_pick",)),
-    ("KDA state commit", ("commit_kda", "scatter_rows", "_after")),
+    ("KDA state commit", ("commit_kda", "scatter_rows")),
     ("KDA state gather", ("state_rows",)),
     ("MoE routed experts", ("Experts.",)),
     ("MoE router", ("Router.", "_sort_by_expert")),
