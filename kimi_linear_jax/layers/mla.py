@@ -28,6 +28,12 @@ from kimi_linear_jax.parallel import dcp
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
 
 
+class Absorbed(nnx.Variable):
+    """W_UK or W_UV split out of kv_b_proj for the absorbed form (`MLA.split_kv_b`): a copy
+    for serving, not a parameter (never saved, loaded or trained; kv_b_proj stays the one
+    source)."""
+
+
 class MLA(nnx.Module):
     def __init__(self, config: KimiLinearConfig, *, dtype, rngs: nnx.Rngs, par: Parallel = SINGLE):
         D, N = config.hidden_size, config.num_attention_heads
@@ -73,6 +79,24 @@ class MLA(nnx.Module):
         """kv_b_proj as [N, P_n + Vd, L] (N: the query heads held here)."""
         return self.kv_b_proj.weight[...].reshape(-1, self.nope + self.vdim, self.rank)
 
+    def split_kv_b(self) -> None:
+        """Keep W_UK [N, P_n, L] and W_UV [N, Vd, L] as arrays of their own, for the absorbed
+        form to read whole. Sliced from kv_b_proj inside a step (strided: the heads' halves
+        interleave), each half is copied on every step, since XLA:CPU's dots read whole
+        arrays only (2 x 1.5 MB per MLA layer a step at the `small` shapes). Changing
+        kv_b_proj afterwards leaves them stale: call this on the model a step runs
+        (`model.for_serving`)."""
+        w, axes = self._kv_b(), ("q_heads", None, None)  # the heads, as kv_b_proj's
+        self.w_uk = Absorbed(w[:, : self.nope], logical=axes)
+        self.w_uv = Absorbed(w[:, self.nope :], logical=axes)
+
+    def _absorbed_weights(self) -> tuple[jax.Array, jax.Array]:
+        """(W_UK [N, P_n, L], W_UV [N, Vd, L]) of the heads held here."""
+        if hasattr(self, "w_uk"):
+            return self.w_uk[...], self.w_uv[...]
+        w = self._kv_b()
+        return w[:, : self.nope], w[:, self.nope :]
+
     def _own(self, x: jax.Array, axis: int) -> jax.Array:
         """With replicate_q_proj the query-side heads are the whole DCP group's: keep this
         rank's block (its output heads). Otherwise they already are the rank's own."""
@@ -100,8 +124,8 @@ class MLA(nnx.Module):
         go (`_targets`): the attention sees them and the cache comes back with them written
         (`mla_ops.paged_attention_write`); None: the cache is only read."""
         par = self.par
-        w = self._kv_b()
-        w_uk, w_uv = w[:, : self.nope], self._own(w[:, self.nope :], 0)
+        w_uk, w_uv = self._absorbed_weights()
+        w_uv = self._own(w_uv, 0)
         acc = acc_dtype(q_nope)
         q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
         q_pe = q_pe.astype(acc)
