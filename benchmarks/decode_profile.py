@@ -8,7 +8,7 @@ no step snapshots a checkpoint) prefills B prompts of ``--prompt-len`` ids and t
    (scheduling, batch building, the compiled call, the device-to-host transfer, bookkeeping),
    best of ``--repeats`` runs by their median step;
 2. **compiled call**: inside each of those steps, the time of the runner's jitted decode
-   (``serving.runner._decode_steps``, num_steps 1) until its results are ready. host = engine
+   (``serving.runner.decode_steps``, num_steps 1) until its results are ready. host = engine
    step - compiled call of the same step (median), so noise between runs cancels;
 3. **per-op breakdown**: a ``jax.profiler`` trace of ``--trace-calls`` compiled calls with the
    arguments of the last engine step (captured; the cache fed back from call to call). Each XLA
@@ -69,7 +69,7 @@ from serving import LLM, SamplingParams  # noqa: E402
 # first frame whose function matches a rule names the part.
 STACK_RULES = [
     ("sampling (argmax)", ("_pick",)),
-    ("KDA state commit", ("commit_kda", "scatter_rows", "_after")),
+    ("KDA state commit", ("commit_kda", "scatter_rows")),
     ("KDA state gather", ("state_rows",)),
     ("MoE routed experts", ("Experts.",)),
     ("MoE router", ("Router.", "_sort_by_expert")),
@@ -273,7 +273,7 @@ def engine_steps(llm: LLM, b: int, prompt_len: int, steps: int, seed: int):
         prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
         llm.add_request(prompt, params)
     llm.step()  # prefill: every row's first token
-    captured, calls, real = {}, [], runner_mod._decode_steps
+    captured, calls, real = {}, [], runner_mod.decode_steps
 
     def recorder(*args, **kwargs):
         captured.update(args=args, kwargs=kwargs)
@@ -283,14 +283,14 @@ def engine_steps(llm: LLM, b: int, prompt_len: int, steps: int, seed: int):
         return out
 
     step_times = []
-    runner_mod._decode_steps = recorder
+    runner_mod.decode_steps = recorder
     try:
         while llm.has_unfinished_requests():
             t0 = time.perf_counter()
             llm.step()
             step_times.append(time.perf_counter() - t0)
     finally:
-        runner_mod._decode_steps = real
+        runner_mod.decode_steps = real
     return step_times, calls, captured
 
 
@@ -302,7 +302,7 @@ def compiled_calls(llm: LLM, captured: dict, n: int) -> list[float]:
     for _ in range(n):
         t0 = time.perf_counter()
         with jax.profiler.TraceAnnotation(CALL_MARK):
-            picked, cache = runner_mod._decode_steps(*args[:3], cache, *args[4:], **kwargs)
+            picked, _, cache = runner_mod.decode_steps(*args[:3], cache, *args[4:], **kwargs)
             jax.block_until_ready(picked)
         times.append(time.perf_counter() - t0)
     llm.runner.cache = cache
@@ -321,7 +321,7 @@ def faults_per_call(llm: LLM, captured: dict, calls: int) -> float:
 def op_breakdown(llm: LLM, captured: dict, calls: int):
     """(rows of parts, top ops, compiled HLO text, cost analysis, trace summary)."""
     args, kwargs = captured["args"], captured["kwargs"]
-    compiled = runner_mod._decode_steps.lower(
+    compiled = runner_mod.decode_steps.lower(
         *args[:3], llm.runner.cache, *args[4:], **kwargs
     ).compile()
     text = compiled.as_text()

@@ -20,6 +20,7 @@ import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import decode_profile  # noqa: E402
 import mla_decode  # noqa: E402
+import mla_split  # noqa: E402
 import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
 import speculative  # noqa: E402
@@ -56,8 +57,11 @@ BENCHMARKS = {
     "speculative": speculative.main,
     # The verify's replay vs gather commit: memory at the release's shapes, time here.
     "verify_commit": verify_commit.main,
-    # ms per token with 3 vs 97 state slots (the pool must not cost per step).
+    # ms per token with 3 vs 97 state slots, 64 vs 4,096 latent pages (a pool must not cost
+    # per step).
     "pool_size": pool_size.main,
+    # The decode step with W_UK / W_UV sliced from kv_b_proj in the step vs split once.
+    "mla_split": mla_split.main,
     # TTFT and prefill tokens saved, 2k-token shared prefix, cache on vs off.
     "prefix_cache": prefix_cache.main,
     # Async vs sync scheduling: ms per token, host time on the critical path, device idle.

@@ -49,8 +49,15 @@ def mla_paged_attention_reference(
     block_table [B, max_pages] int32, kv_lens [B, T] int32 (keys visible to each query row)
     -> o [B, T, H, L] f32, lse [B, T, H] f32.
     """
+    kv = gather_pages(cache, block_table)
+    return mla_latent_attention_reference(q_lat, q_pe, kv, kv_lens, sm_scale=sm_scale)
+
+
+def mla_latent_attention_reference(
+    q_lat: jax.Array, q_pe: jax.Array, kv: jax.Array, kv_lens: jax.Array, *, sm_scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """The same over each row's gathered latent rows kv [B, S, L + R] (`gather_pages`)."""
     L = q_lat.shape[-1]
-    kv = gather_pages(cache, block_table)  # [B, S, L + R]
     c, k_pe = kv[..., :L], kv[..., L:]
     acc = jnp.result_type(jnp.float32, q_lat)
     scores = jnp.einsum("bthl,bsl->bths", q_lat, c, preferred_element_type=acc)

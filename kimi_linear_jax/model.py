@@ -24,6 +24,7 @@ from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.layers.block import DecoderBlock, scatter_rows, state_rows
 from kimi_linear_jax.layers.kda import advance
 from kimi_linear_jax.layers.linear import Embed, Linear
+from kimi_linear_jax.layers.mla import Absorbed
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.parallel import rules as sharding_rules
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, shard_map
@@ -217,6 +218,27 @@ def set_kda_impl(model: KimiLinearForCausalLM, impl: str) -> KimiLinearForCausal
         if block.kind == "kda":
             block.self_attn.prefill_impl = impl
     return model
+
+
+def for_serving(model: KimiLinearForCausalLM) -> KimiLinearForCausalLM:
+    """A copy of `model` for the jitted serving steps: the same parameter arrays (no copy),
+    plus W_UK and W_UV split out of each MLA layer's kv_b_proj (`MLA.split_kv_b`), placed on
+    the model's mesh by kv_b_proj's rules. `model` is left as it is: the extra arrays are
+    not parameters, so `nnx.split(model, nnx.Param)` (training, Orbax restore) would refuse
+    the copy; checkpoints save from either."""
+    graphdef, state = nnx.split(model)
+    # A new tree of Variables over the same arrays: the original keeps its own.
+    serving = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    for block in serving.model.layers:
+        if block.kind == "mla":
+            block.self_attn.split_kv_b()
+    if serving.par.sharded:
+        split = nnx.state(serving, Absorbed)
+        specs = sharding_rules.param_specs(split, serving._rules)
+        nnx.update(
+            serving, jax.device_put(split, sharding_rules.shardings(specs, serving.par.mesh))
+        )
+    return serving
 
 
 def init_model(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from kimi_linear_jax.checkpoint import load_model_and_tokenizer, model_config
-from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.model import KimiLinearForCausalLM, for_serving
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel, validate
 from kimi_linear_jax.parallel.rules import shard_model
 
@@ -23,13 +23,14 @@ def _config_of(model):
 
 def _load_model(model, dtype: str, tokenizer, par: Parallel = SINGLE):
     """(model, tokenizer) from None (built-in default), a path, or a model instance, built
-    for the plan `par` (a given instance is placed onto its mesh)."""
+    for the plan `par` (a given instance is placed onto its mesh). The model is the
+    `for_serving` copy: a given instance is not changed."""
     if isinstance(model, KimiLinearForCausalLM):
         if model.par != par:
             model = shard_model(model, par)
-        return model, tokenizer
+        return for_serving(model), tokenizer
     built, found = load_model_and_tokenizer(model, dtype, parallel=par)
-    return built, tokenizer if tokenizer is not None else found
+    return for_serving(built), tokenizer if tokenizer is not None else found
 
 
 def _check_draft_pairing(draft, target) -> None:

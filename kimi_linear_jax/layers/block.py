@@ -9,7 +9,6 @@ the model's layer loop exists once. Under TP the mixer and the FFN each return a
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, KDAState, MLACache
@@ -19,6 +18,7 @@ from kimi_linear_jax.layers.mla import MLA
 from kimi_linear_jax.layers.mlp import MLP
 from kimi_linear_jax.layers.moe import MoE
 from kimi_linear_jax.layers.norm import RMSNorm
+from kimi_linear_jax.ops import order
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
 
 
@@ -41,22 +41,12 @@ def scatter_rows(
     the `small` model's decode went from 9 ms to 77 ms. Ordering the writes removes the
     copies: S after `after` (pass what depends on every read of the pools, e.g. the logits),
     then the conv windows after S. `mode="drop"` skips rows whose slot is out of range."""
-    S = state.S.at[slots].set(_after(rows.S, after).astype(state.S.dtype), mode=mode)
+    S = state.S.at[slots].set(order.after(rows.S, after).astype(state.S.dtype), mode=mode)
     windows = (
-        a.at[slots].set(_after(r, S).astype(a.dtype), mode=mode) for a, r in zip(state[:3], rows)
+        a.at[slots].set(order.after(r, S).astype(a.dtype), mode=mode)
+        for a, r in zip(state[:3], rows)
     )
     return KDAState(*windows, S)
-
-
-def _after(x: jax.Array, first) -> jax.Array:
-    """`x`, with a data dependence on `first` (an array or a pytree of them, so XLA computes
-    `x` after all of them): plus zero times a finite element of each (NaN / inf are replaced
-    first, so `x` is unchanged)."""
-    leaves = jax.tree.leaves(first)
-    if not leaves:
-        return x
-    zero = sum(jnp.where(jnp.isfinite(e), e, 0) for e in (a.reshape(-1)[0] for a in leaves))
-    return x + zero.astype(x.dtype) * 0
 
 
 class DecoderBlock(nnx.Module):

@@ -23,8 +23,15 @@ from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.layers.linear import Linear, acc_dtype
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.ops import mla as mla_ops
+from kimi_linear_jax.ops import order
 from kimi_linear_jax.parallel import dcp
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
+
+
+class Absorbed(nnx.Variable):
+    """W_UK or W_UV split out of kv_b_proj for the absorbed form (`MLA.split_kv_b`): a copy
+    for serving, not a parameter (never saved, loaded or trained; kv_b_proj stays the one
+    source)."""
 
 
 class MLA(nnx.Module):
@@ -72,6 +79,24 @@ class MLA(nnx.Module):
         """kv_b_proj as [N, P_n + Vd, L] (N: the query heads held here)."""
         return self.kv_b_proj.weight[...].reshape(-1, self.nope + self.vdim, self.rank)
 
+    def split_kv_b(self) -> None:
+        """Keep W_UK [N, P_n, L] and W_UV [N, Vd, L] as arrays of their own, for the absorbed
+        form to read whole. Sliced from kv_b_proj inside a step (strided: the heads' halves
+        interleave), each half is copied on every step, since XLA:CPU's dots read whole
+        arrays only (2 x 1.5 MB per MLA layer a step at the `small` shapes). Changing
+        kv_b_proj afterwards leaves them stale: call this on the model a step runs
+        (`model.for_serving`)."""
+        w, axes = self._kv_b(), ("q_heads", None, None)  # the heads, as kv_b_proj's
+        self.w_uk = Absorbed(w[:, : self.nope], logical=axes)
+        self.w_uv = Absorbed(w[:, self.nope :], logical=axes)
+
+    def _absorbed_weights(self) -> tuple[jax.Array, jax.Array]:
+        """(W_UK [N, P_n, L], W_UV [N, Vd, L]) of the heads held here."""
+        if hasattr(self, "w_uk"):
+            return self.w_uk[...], self.w_uv[...]
+        w = self._kv_b()
+        return w[:, : self.nope], w[:, self.nope :]
+
     def _own(self, x: jax.Array, axis: int) -> jax.Array:
         """With replicate_q_proj the query-side heads are the whole DCP group's: keep this
         rank's block (its output heads). Otherwise they already are the rank's own."""
@@ -92,12 +117,15 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         return mla_ops.mla_naive_attention(q, k, kvb[..., self.nope :], mask, self.sm_scale)
 
-    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens):
+    def _absorbed(self, q_nope, q_pe, cache, block_table, kv_lens, new=None):
         """Attention over the paged cache in latent space, mapped back to the own heads:
-        [B, T, N, Vd] f32. kv_lens [B, T]: global keys visible to each query row."""
+        o [B, T, N, Vd] f32, lse, and the cache. kv_lens [B, T]: global keys visible to each
+        query row. new: (rows [B, T, L + R], col, slot), the step's latent rows and where they
+        go (`_targets`): the attention sees them and the cache comes back with them written
+        (`mla_ops.paged_attention_write`); None: the cache is only read."""
         par = self.par
-        w = self._kv_b()
-        w_uk, w_uv = w[:, : self.nope], self._own(w[:, self.nope :], 0)
+        w_uk, w_uv = self._absorbed_weights()
+        w_uv = self._own(w_uv, 0)
         acc = acc_dtype(q_nope)
         q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
         q_pe = q_pe.astype(acc)
@@ -105,22 +133,25 @@ class MLA(nnx.Module):
             q_lat, q_pe = dcp.gather_heads(q_lat), dcp.gather_heads(q_pe)
         if par.dcp > 1:
             kv_lens = dcp.local_len(kv_lens, par.dcp_rank(), par.dcp)
-        o_lat, lse = mla_ops.paged_attention(
-            par.attention, q_lat, q_pe, cache, block_table, kv_lens, sm_scale=self.sm_scale
-        )
+        args = (par.attention, q_lat, q_pe, cache, block_table, kv_lens)
+        if new is None:
+            o_lat, lse = mla_ops.paged_attention(*args, sm_scale=self.sm_scale)
+        else:
+            o_lat, lse, cache = mla_ops.paged_attention_write(*args, *new, sm_scale=self.sm_scale)
         if par.dcp > 1:
             combine = dcp.HEAD_COMBINES[par.combine]
             o_lat, lse = combine(o_lat.astype(jnp.float32), lse.astype(jnp.float32), par.dcp)
         o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
-        return o, lse
+        return o, lse, cache
 
-    def _write(self, cache: jax.Array, rows: jax.Array, batch) -> jax.Array:
-        """Store new latent rows; under DCP each rank stores the tokens it owns."""
+    def _targets(self, cache: jax.Array, batch, T: int) -> tuple[jax.Array, jax.Array]:
+        """Where the step's T new rows go in this rank's pages (`mla_ops.targets`); under DCP
+        each rank stores the tokens it owns."""
         par = self.par
-        args = (cache, rows, batch.block_table, batch.start, batch.lengths)
+        args = (batch.block_table, batch.start, batch.lengths, T, cache.shape[1])
         if par.dcp == 1:
-            return mla_ops.write_latents(*args)
-        return dcp.write_local(*args, par.dcp_rank(), par.dcp)
+            return mla_ops.targets(*args)
+        return dcp.local_targets(*args, par.dcp_rank(), par.dcp)
 
     def _out(self, x: jax.Array, o: jax.Array) -> jax.Array:
         return self.o_proj(o.astype(x.dtype).reshape(*x.shape[:-1], -1))
@@ -144,19 +175,21 @@ class MLA(nnx.Module):
         o, lse = self._naive(q_nope, q_pe, rows, mask)
         if has_prefix:
             kv_lens = jnp.broadcast_to(batch.start[:, None], (x.shape[0], T))
-            o_p, lse_p = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens)
+            o_p, lse_p, _ = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens)
             o, _ = mla_ops.merge_partials(o, lse, o_p, lse_p)
-        latent = self._write(cache.latent, rows, batch)
+            rows = order.after(rows, o_p)  # the write after the prefix's read: in place
+        where = self._targets(cache.latent, batch, T)
+        latent = mla_ops.write_rows(cache.latent, rows, batch.block_table, *where)
         return self._out(x, o), MLACache(latent)
 
     def decode(self, x, cache: MLACache, batch):
         """T new tokens (decode T = 1, verify T = k + 1): write their rows, then row t attends
         to the first start + t + 1 positions (clamped to the row's valid length)."""
         q_nope, q_pe = self._query(x)
-        latent = self._write(cache.latent, self.latent(x), batch)
         T = x.shape[1]
+        new = (self.latent(x), *self._targets(cache.latent, batch, T))
         t = jnp.arange(T)[None, :]
         kv_lens = batch.start[:, None] + jnp.minimum(t + 1, batch.lengths[:, None])
         kv_lens = jnp.where(batch.lengths[:, None] > 0, kv_lens, 0)
-        o, _ = self._absorbed(q_nope, q_pe, latent, batch.block_table, kv_lens)
+        o, _, latent = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens, new)
         return self._out(x, o), MLACache(latent)

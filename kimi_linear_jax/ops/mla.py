@@ -15,8 +15,10 @@ from kernels.mla_reference import (  # noqa: F401  (re-exported: the model's MLA
     _softmax_with_lse,
     gather_pages,
     merge_stacked_partials,
+    mla_latent_attention_reference,
     mla_paged_attention_reference,
 )
+from kimi_linear_jax.ops import order
 
 
 def mla_naive_attention(
@@ -35,6 +37,15 @@ def mla_naive_attention(
     return o, jnp.transpose(lse, (0, 2, 1))
 
 
+def _resolve(impl: str, q_lat, q_pe, cache) -> str:
+    """The implementation that runs: "kernel", "interpret" or "reference" (static: at trace)."""
+    if impl == "auto":
+        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
+    if impl != "reference" and not kernel_supports(q_lat.shape[-1], q_pe.shape[-1], cache.shape[1]):
+        return "reference"
+    return impl
+
+
 def paged_attention(
     impl: str, q_lat, q_pe, cache, block_table, kv_lens, *, sm_scale: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -42,17 +53,41 @@ def paged_attention(
     GPU), "interpret" (the same kernel on a CPU, for tests), "reference" (XLA) or "auto" (the
     kernel on a GPU). The kernel falls back to the reference for dims it does not take
     (static shapes: decided at trace)."""
-    if impl == "auto":
-        impl = "kernel" if jax.default_backend() == "gpu" else "reference"
-    if impl != "reference":
-        if kernel_supports(q_lat.shape[-1], q_pe.shape[-1], cache.shape[1]):
-            interpret = impl == "interpret"
-            return mla_paged_attention(
-                q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale, interpret=interpret
-            )
-    return mla_paged_attention_reference(
-        q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale
+    impl = _resolve(impl, q_lat, q_pe, cache)
+    if impl == "reference":
+        return mla_paged_attention_reference(
+            q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale
+        )
+    return mla_paged_attention(
+        q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale, interpret=impl == "interpret"
     )
+
+
+def paged_attention_write(
+    impl: str, q_lat, q_pe, cache, block_table, kv_lens, rows, col, slot, *, sm_scale: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`paged_attention` over the pool with the step's new latent rows [B, T, L + R] in it,
+    and the pool with them written: (o, lse, cache). Row t of sequence b goes to column
+    col[b, t] of its block table (past the table: dropped), slot slot[b, t] (`targets`).
+
+    The pool is written in place only if XLA can order the write after every read of it. The
+    kernel (a custom call) reads the pool once written. The XLA reference reads it before: it
+    gathers the sequence's pages, puts the new rows into that gathered copy, attends, and
+    writes the pool after the attention (a data dependence). Written first, the write can be
+    folded into the page gather (XLA did, for the last MLA layer at B = 1), which then reads
+    the old pool while the write updates it, and XLA copies the whole pool twice a step to
+    keep both (issue 13). A sequence sees only its own new rows here, as pages written in a
+    step belong to the sequence writing them (shared prefix pages are full)."""
+    impl = _resolve(impl, q_lat, q_pe, cache)
+    if impl != "reference":
+        cache = write_rows(cache, rows, block_table, col, slot)
+        o, lse = paged_attention(impl, q_lat, q_pe, cache, block_table, kv_lens, sm_scale=sm_scale)
+        return o, lse, cache
+    kv = gather_pages(cache, block_table)  # [B, S, L + R]
+    b = jnp.broadcast_to(jnp.arange(kv.shape[0])[:, None], col.shape)
+    kv = kv.at[b, col * cache.shape[1] + slot].set(rows.astype(kv.dtype), mode="drop")
+    o, lse = mla_latent_attention_reference(q_lat, q_pe, kv, kv_lens, sm_scale=sm_scale)
+    return o, lse, write_rows(cache, order.after(rows, o), block_table, col, slot)
 
 
 def merge_partials(
@@ -69,6 +104,30 @@ def merge_partials(
     return o, lse
 
 
+def targets(
+    block_table: jax.Array, start: jax.Array, lengths: jax.Array, T: int, page_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """Where the rows of positions start[b] + t go, t < lengths[b]: (column of the sequence's
+    block table, slot in that page), [B, T] each. Rows past a sequence's length get the
+    column past the table, so that padding never touches a page."""
+    pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    n = block_table.shape[1]
+    col = jnp.clip(pos // page_size, 0, n - 1)
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    return jnp.where(valid, col, n), pos % page_size
+
+
+def write_rows(
+    cache: jax.Array, rows: jax.Array, block_table: jax.Array, col: jax.Array, slot: jax.Array
+) -> jax.Array:
+    """Scatter rows [B, T, L + R] to page block_table[b, col[b, t]], slot slot[b, t]; a column
+    past the table drops the row."""
+    n = block_table.shape[1]
+    page = jnp.take_along_axis(block_table, jnp.minimum(col, n - 1), axis=1)
+    page = jnp.where(col < n, page, cache.shape[0])  # out of bounds: dropped
+    return cache.at[page, slot].set(rows.astype(cache.dtype), mode="drop")
+
+
 def write_latents(
     cache: jax.Array,
     rows: jax.Array,
@@ -76,16 +135,6 @@ def write_latents(
     start: jax.Array,
     lengths: jax.Array,
 ) -> jax.Array:
-    """Scatter rows [B, T, L + R] to positions start[b] + t of each sequence, t < lengths[b].
-
-    Rows past a sequence's length are dropped (pointed out of bounds), so padding never
-    touches a page.
-    """
-    num_pages, page_size, _ = cache.shape
-    B, T, _ = rows.shape
-    pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    page_idx = jnp.clip(pos // page_size, 0, block_table.shape[1] - 1)
-    page = jnp.take_along_axis(block_table, page_idx, axis=1)
-    valid = jnp.arange(T)[None, :] < lengths[:, None]
-    page = jnp.where(valid, page, num_pages)
-    return cache.at[page, pos % page_size].set(rows.astype(cache.dtype), mode="drop")
+    """Scatter rows [B, T, L + R] to positions start[b] + t of each sequence, t < lengths[b]."""
+    where = targets(block_table, start, lengths, rows.shape[1], cache.shape[1])
+    return write_rows(cache, rows, block_table, *where)

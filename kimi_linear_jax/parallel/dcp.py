@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.mla_reference import merge_stacked_partials
+from kimi_linear_jax.ops.mla import write_rows
 from kimi_linear_jax.parallel.mesh import DCP_AXIS
 
 # --------------------------------------------------------------------------- placement
@@ -94,19 +95,24 @@ def combine_lse_psum(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array
 # --------------------------------------------------------------------------- rank-local pieces
 
 
-def write_local(cache_l, rows, block_table, start, lengths, r, c: int) -> jax.Array:
-    """Rank r's part of a DCP write: of rows [B, T, L + R] at positions start[b] + t
-    (t < lengths[b]) it stores the tokens it owns into its local pages
-    cache_l [num_pages, page_size, L + R]. Rows past a length or the block table are dropped."""
-    num_pages, page_size, _ = cache_l.shape
-    T = rows.shape[1]
+def local_targets(block_table, start, lengths, T: int, page_size: int, r, c: int):
+    """Rank r's part of a DCP write, as `ops.mla.targets`: of the rows at positions
+    start[b] + t (t < lengths[b]) the tokens it owns go to (column of the block table, slot in
+    the local page), [B, T] each; the rest, and rows past the block table, to the column past
+    the table (dropped)."""
     pos = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
     vpage, owner, slot = dcp_coords(pos, page_size, c)
     n_vp = block_table.shape[1]
     valid = (jnp.arange(T)[None, :] < lengths[:, None]) & (owner == r) & (vpage < n_vp)
-    page = jnp.take_along_axis(block_table, jnp.clip(vpage, 0, n_vp - 1), axis=1)
-    page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
-    return cache_l.at[page, slot].set(rows.astype(cache_l.dtype), mode="drop")
+    return jnp.where(valid, vpage, n_vp), slot
+
+
+def write_local(cache_l, rows, block_table, start, lengths, r, c: int) -> jax.Array:
+    """Rank r's part of a DCP write: of rows [B, T, L + R] at positions start[b] + t
+    (t < lengths[b]) it stores the tokens it owns into its local pages
+    cache_l [num_pages, page_size, L + R]. Rows past a length or the block table are dropped."""
+    where = local_targets(block_table, start, lengths, rows.shape[1], cache_l.shape[1], r, c)
+    return write_rows(cache_l, rows, block_table, *where)
 
 
 def gather_heads(x: jax.Array) -> jax.Array:

@@ -12,7 +12,14 @@ from flax import nnx
 
 from kimi_linear_jax.cache import Batch, contiguous_batch, init_cache
 from kimi_linear_jax.config import preset
-from kimi_linear_jax.model import commit_kda, decode_step, forward, prefill_step, set_kda_impl
+from kimi_linear_jax.model import (
+    commit_kda,
+    decode_step,
+    for_serving,
+    forward,
+    prefill_step,
+    set_kda_impl,
+)
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 
@@ -148,3 +155,27 @@ def test_padding_rows_and_unowned_pages_untouched(model):
         np.testing.assert_array_equal(np.asarray(a)[1:], b[1:])  # only page 0 was written
     for a, b in zip(jax.tree.leaves(out.kda), jax.tree.leaves(before.kda)):
         np.testing.assert_array_equal(np.asarray(a)[2:], b[2:])  # slots past 1 untouched
+
+
+def test_for_serving_copy(model):
+    """The engine's model (`for_serving`: W_UK / W_UV split out of kv_b_proj) decodes the same
+    logits (the same products of the same values; only XLA's choice of kernel may differ)
+    over the same parameter arrays, and leaves the model it copies as it
+    was (only nnx.Param state, so training and Orbax restores can still split it)."""
+    cfg, (g, p) = model
+    original = nnx.merge(g, p)
+    serving = for_serving(original)
+    assert jax.tree.structure(nnx.state(original)) == jax.tree.structure(p)
+    nnx.split(original, nnx.Param)  # raises if the copy's arrays leaked into the original
+    assert jax.tree.structure(nnx.state(serving, nnx.Param)) == jax.tree.structure(p)
+    for a, b in zip(jax.tree.leaves(nnx.state(serving, nnx.Param)), jax.tree.leaves(p)):
+        assert a is b
+    B, N = 2, 21
+    ids = jnp.asarray(ids_for(B, N + 1, seed=7))
+    batch = contiguous_batch(B, MAX_LEN, PAGE, lengths=[N, N - 4])
+    step = batch._replace(start=jnp.asarray([N, N - 4], jnp.int32), lengths=jnp.ones(B, jnp.int32))
+    out = []
+    for graphdef, params in (nnx.split(original), nnx.split(serving)):
+        _, cache = prefill_step(graphdef, params, ids[:, :N], fresh_cache(cfg, B), batch)
+        out.append(np.asarray(decode_step(graphdef, params, ids[:, N:], cache, step)[0]))
+    assert_close(out[1], out[0], atol=1e-6, rtol_rms=1e-7, name="decode logits")

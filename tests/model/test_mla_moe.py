@@ -37,7 +37,7 @@ def test_absorbed_equals_naive(q_lora_rank):
         cache, rows, table, jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32)
     )
     kv_lens = jnp.broadcast_to(jnp.arange(1, T + 1), (B, T))
-    o_abs, lse_abs = mla._absorbed(q_nope, q_pe, cache, table, kv_lens)
+    o_abs, lse_abs, _ = mla._absorbed(q_nope, q_pe, cache, table, kv_lens)
     assert_close(o_abs, o_naive, atol=1e-5, rtol_rms=1e-5, name="o")
     assert_close(lse_abs, lse_naive, atol=1e-5, rtol_rms=1e-6, name="lse")
 
@@ -67,6 +67,40 @@ def test_paged_reference_edge_rows():
     p = np.exp(s - s.max(-1, keepdims=True))
     expected = (p / p.sum(-1, keepdims=True)) @ rows[:, :L]
     assert_close(o[1, 1], expected, atol=1e-5, rtol_rms=1e-6, name="numpy row")
+
+
+def test_attention_write_orders_agree():
+    """The reference's order (read the old pool with the new rows put into the gathered pages,
+    write after) == the kernel's (write, then read the pool): same o, lse and pool, bit for
+    bit. Rows: a page boundary inside the window, a short row, a padding row (null pages), a
+    position past the block table (the writer's last column)."""
+    rng = np.random.default_rng(3)
+    B, T, H, L, R, page = 4, 3, 2, 8, 4, 4
+    q_lat = jnp.asarray(rng.standard_normal((B, T, H, L)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((B, T, H, R)), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((B, T, L + R)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((12, page, L + R)), jnp.float32)
+    table = jnp.asarray([[3, 1, 7], [2, 9, 10], [0, 0, 0], [5, 4, 6]], jnp.int32)
+    start = jnp.asarray([3, 5, 0, 11], jnp.int32)
+    lengths = jnp.asarray([3, 2, 0, 2], jnp.int32)
+    t = jnp.arange(T)[None, :]
+    kv_lens = jnp.where(
+        lengths[:, None] > 0, start[:, None] + jnp.minimum(t + 1, lengths[:, None]), 0
+    )
+    where = mla_ops.targets(table, start, lengths, T, page)
+    written = mla_ops.write_rows(cache, rows, table, *where)
+    o, lse = mla_ops.mla_paged_attention_reference(
+        q_lat, q_pe, written, table, kv_lens, sm_scale=0.3
+    )
+    o2, lse2, cache2 = jax.jit(
+        lambda c: mla_ops.paged_attention_write(
+            "reference", q_lat, q_pe, c, table, kv_lens, rows, *where, sm_scale=0.3
+        )
+    )(cache)
+    np.testing.assert_array_equal(np.asarray(cache2), np.asarray(written))
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    np.testing.assert_array_equal(np.asarray(written[0]), np.asarray(cache[0]))  # null page
 
 
 def test_merge_partials_equals_joint_softmax():

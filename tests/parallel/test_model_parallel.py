@@ -18,7 +18,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import contiguous_batch
 from kimi_linear_jax.config import preset
-from kimi_linear_jax.model import commit_kda, merge
+from kimi_linear_jax.model import commit_kda, for_serving, merge
 from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.rules import init_cache, shard_model
 from kimi_linear_jax.testing import random_model
@@ -93,10 +93,12 @@ def test_logits_equal_one_device(tp, dcp):
     _compare(run_steps(model), single())
 
 
+# As the engine runs it (`for_serving`): W_UK / W_UV split out of kv_b_proj and placed by its
+# rules, the head block of W_UV taken per rank under replicate_q_proj.
 @pytest.mark.parametrize("combine,replicate", [("a2a", False), ("ag_rs", True), ("a2a", True)])
 def test_combines_and_replicated_q_proj_equal_one_device(combine, replicate):
     par = make_parallel(CONFIG, 4, 2, combine=combine, replicate_q_proj=replicate)
-    _compare(run_steps(shard_model(base_model(), par)), single())
+    _compare(run_steps(for_serving(shard_model(base_model(), par))), single())
 
 
 def test_no_cache_forward_and_gradient_equal_one_device():
