@@ -41,6 +41,6 @@ test-py312:
 	set -e; \
 	[ -x $(VENV312)/bin/python ] || "$$PY312" -m venv $(VENV312); \
 	$(VENV312)/bin/python -m pip install -q --upgrade pip; \
-	$(VENV312)/bin/python -m pip install -q -e . pytest hypothesis; \
+	$(VENV312)/bin/python -m pip install -q -e . pytest hypothesis httpx; \
 	$(VENV312)/bin/python -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"; \
 	$(VENV312)/bin/python -m pytest -q tests/kernels tests/parallel
