@@ -429,10 +429,11 @@ def _loop(trainer, state, data: Data, out, ckpt_dir, run_steps, progress) -> dic
     log = _Log(out / "train_log.jsonl")
     bar = tqdm(total=end - start, disable=not progress, unit="step")
     t0, record = time.perf_counter(), {}
+    samples = int(state["samples"])  # the step adds per_step on device too; no read per step
     try:
         for step in range(start, end):
-            samples = int(state["samples"])
             batch = data.train.take(samples, per_step).reshape(tc.grad_accum, tc.batch_size, -1)
+            samples += per_step
             tick = time.perf_counter()
             state, metrics = trainer.step(state, batch)
             loss = float(metrics["loss"])  # waits for the step: honest tokens/s
