@@ -144,7 +144,8 @@ def test_accumulation_and_data_parallel_are_the_same_step(data_file, tmp_path, o
         _assert_same_step((losses, _params(state)), one_device)
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+# Slow: the TP-sharded gradient is checked in the default run by tests/parallel.
+@pytest.mark.parametrize("tp", [pytest.param(t, marks=pytest.mark.slow) for t in (2, 4)])
 def test_tensor_parallel_is_the_same_step(data_file, tmp_path, one_device, tp):
     """The model's TP plan over tp devices: the same losses and updated parameters as one
     device; parameters and optimizer moments stay on their shards, and the export gathers

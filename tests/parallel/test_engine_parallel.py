@@ -47,7 +47,7 @@ def run_one_by_one(llm, prompts, params=GREEDY):
     return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("tp,dcp", [(4, 2), (8, 8)])
+@pytest.mark.parametrize("tp,dcp", [(4, 2), pytest.param(8, 8, marks=pytest.mark.slow)])
 def test_ngram_speculation_with_prefix_hits_equals_one_device(tp, dcp):
     spec = {"method": "ngram", "num_draft_tokens": 3}
     llm = LLM(base_model(), tensor_parallel_size=tp, dcp_size=dcp, speculative=spec, **SHAPES)

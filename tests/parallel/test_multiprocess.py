@@ -86,6 +86,7 @@ def _wait(procs):
     return [p.returncode for p in procs], errors
 
 
+@pytest.mark.slow  # the default run has the two-process serve test, the same lockstep engine
 def test_two_processes_generate_equals_one_device(checkpoint, tmp_path):
     """A JSONL batch with n-gram speculation (drafts accepted: the prompts repeat) across two
     processes equals plain greedy decoding on one device; only process 0 writes."""
