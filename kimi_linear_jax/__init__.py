@@ -1,7 +1,12 @@
 """Kimi Linear (KDA + MLA + MoE) on JAX."""
 
-from kimi_linear_jax.config import KimiLinearConfig
-from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax import heap
+
+# Before JAX's first computation, or it has no effect (see heap.py: page faults on CPU).
+heap.apply_default()
+
+from kimi_linear_jax.config import KimiLinearConfig  # noqa: E402 (after the heap setup)
+from kimi_linear_jax.model import KimiLinearForCausalLM  # noqa: E402
 
 __all__ = ["KimiLinearConfig", "KimiLinearForCausalLM", "load_pretrained", "save_pretrained"]
 

@@ -1,0 +1,78 @@
+"""The host heap under XLA:CPU: keep freed memory mapped, so that a compiled step does not
+fault in a fresh temp buffer on every call.
+
+XLA:CPU mallocs each call's temp buffer (46 MB for a `small` decode step at B = 8, 174 MB at
+B = 32). glibc serves a request above its mmap threshold (32 MiB at most) with a new mapping,
+and so do the arenas of threads other than the main one, whatever the threshold; every call
+then touches fresh 4 KiB pages. At B = 32 that was 42,000 minor page faults per decode step,
+about a third of its time (benchmarks/RESULTS.md, "page faults").
+
+`keep_freed_memory()` sets three glibc options with `mallopt`: no mmap for allocations
+(M_MMAP_MAX 0), one arena for every thread (M_ARENA_MAX 1, since other arenas mmap
+regardless), and no trimming of the heap's top (M_TRIM_THRESHOLD). A freed temp buffer then
+stays mapped and the next call reuses its pages. The price: the process keeps its peak heap
+instead of returning it to the system.
+
+A thread keeps the arena it was first given, and XLA's threads allocate when the backend
+starts, so this only works before JAX's first computation: the package calls it when it is
+imported (`apply_default`), for CPU-only JAX, on glibc. `KIMI_LINEAR_JAX_MALLOC=system` leaves
+glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import os
+import platform
+
+# mallopt parameter numbers, from glibc's malloc.h.
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+
+ENV = "KIMI_LINEAR_JAX_MALLOC"
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Set the options above; True when glibc took all three. False off glibc."""
+    global _applied
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    ok = all(
+        libc.mallopt(param, value) == 1
+        for param, value in ((M_MMAP_MAX, 0), (M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, 2**31 - 1))
+    )
+    _applied = _applied or ok
+    return ok
+
+
+def cpu_only() -> bool:
+    """Whether JAX will run on the CPU, decided without starting a backend: JAX_PLATFORMS says
+    cpu, or no accelerator plugin is installed (JAX finds them as `jax_plugins` entry points
+    or modules, or as jaxlib's bundled CUDA / ROCm)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return False
+    return importlib.util.find_spec("jax_plugins") is None
+
+
+def apply_default() -> bool:
+    """At import: keep freed memory on a CPU-only glibc host unless the user opted out."""
+    choice = os.environ.get(ENV, "keep").lower()
+    if choice not in ("keep", "system"):
+        raise ValueError(f"{ENV} must be 'keep' or 'system', got {choice!r}")
+    if choice == "system" or not cpu_only():
+        return False
+    return keep_freed_memory()
+
+
+def applied() -> bool:
+    """Whether this process runs with the options set (benchmarks record it)."""
+    return _applied
