@@ -336,19 +336,23 @@ class ModelRunner:
     def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
         return self.collect(self.dispatch_decode(output)).samples
 
-    def dispatch_decode(self, output: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+    def dispatch_decode(
+        self, output: SchedulerOutput, prev: InFlight | None = None, steps: list[int] | None = None
+    ) -> InFlight:
         """Dispatch a decode step without waiting for its tokens. A row whose last token is
         still pending (`num_pending`, async scheduling) reads it on the device from `prev`,
-        the step that sampled it (dispatched before, so it has run by then)."""
+        the step that sampled it (dispatched before, so it has run by then). `steps`: each
+        row's fused steps, `output.decode_steps` unless given."""
         requests = output.decode
+        steps = output.decode_steps if steps is None else steps
         b, batch = self._batch([output.placement[r.request_id] for r in requests])
         ids = np.zeros(b, np.int32)
         steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
             if r.num_pending == 0:
                 ids[i] = r.all_token_ids[r.num_tokens - 1]
-            steps_left[i] = output.decode_steps[i]
-        num_steps = self._num_steps(output.decode_steps)
+            steps_left[i] = steps[i]
+        num_steps = self._num_steps(steps)
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
         picked, _, self.cache = decode_steps(
@@ -401,6 +405,8 @@ class ModelRunner:
         k = self.num_draft_tokens
         drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k)
         if not np.asarray(num).any():
+            if not output.track:
+                return self._draftless(output, batch, result)
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
         mode = _mode(requests)
         rows: list[Request | None] = list(requests)
@@ -437,3 +443,15 @@ class ModelRunner:
         for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
             result.samples[r.request_id] = row[: commit_lens[i]]
             result.num_drafts[r.request_id] = int(num[i])
+
+    def _draftless(self, output: SchedulerOutput, batch, result: StepResult) -> None:
+        """No row drafted (adaptive drafting stopped them all): the window is each row's last
+        token alone, which the plain decode step computes for less than a verify program
+        (no window, no acceptance, no commit). A drafter with a cache keeps its one step."""
+        requests = output.decode
+        flight = self.dispatch_decode(output, steps=[1] * len(requests))
+        self.drafter.rollback(batch.slots, jnp.ones(batch.slots.shape, jnp.int32))
+        result.samples.update(self.collect(flight).samples)
+        self.spec_counts["verify_rows"] += len(requests)
+        for r in requests:
+            result.num_drafts[r.request_id] = 0

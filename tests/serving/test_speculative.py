@@ -115,6 +115,33 @@ def test_adaptive_drafting_backs_off_when_drafts_fail(model, reference):
     assert 0 < runs[0.25] < runs[0.0] / 2, runs
 
 
+def test_steps_without_drafts_run_the_decode_program(model, reference, monkeypatch):
+    """When adaptive drafting stops every row, the step runs the plain decode program, not a
+    one-token verify window; a verify program runs only when some row drafts."""
+    import serving.runner as runner_module
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            if name == "verify":
+                assert np.asarray(args[4]).any(), "a verify window without any draft"
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(runner_module, "verify_step", counted("verify", verify_step))
+    monkeypatch.setattr(
+        runner_module, "decode_steps", counted("decode", runner_module.decode_steps)
+    )
+    spec = {"method": "ngram", "num_draft_tokens": K, "min_acceptance": 0.25}
+    llm = spec_llm(model, oracle(model, reference, ERRORS["none_accepted"]), speculative=spec)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert calls["verify"] > 0 and calls["decode"] > calls["verify"], calls
+    assert_drained(llm)
+
+
 def test_ngram_greedy_equals_plain(model, reference):
     # A repetitive prompt so that prompt lookup proposes (and some drafts are accepted).
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]
