@@ -44,9 +44,11 @@ class Request:
     # prefill donates a recurrent-state checkpoint (a chunk ends at each).
     num_cached_tokens: int = 0
     donate_depths: tuple[int, ...] = ()
-    # Speculative decoding: recent draft acceptance (EMA) and verifies without drafts since.
+    # Speculative decoding: recent draft acceptance (EMA), verifies without drafts since the
+    # last probe, and the verifies until the next probe (0: the scheduler's interval).
     spec_acceptance: float = 1.0
     spec_skipped: int = 0
+    spec_probe_after: int = 0
 
     @property
     def num_tokens(self) -> int:

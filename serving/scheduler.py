@@ -54,6 +54,9 @@ if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their hos
     from serving.state_pool import StatePool
 
 
+# The longest wait between two probes of a request that stopped drafting, in probe intervals.
+SPEC_MAX_PROBE_BACKOFF = 8
+
 class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMixin):
     """Decides which requests run each step and owns their pages and state slots."""
 
@@ -95,9 +98,11 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
         # the verify; what was not accepted is released after it (`update`).
         self.speculative = speculative
         # Adaptive speculation: a request whose recent acceptance (an EMA) is below this stops
-        # proposing (its window is one token) except one probe every `spec_probe_interval`
-        # verifies. A verify window costs several decode steps on a CPU, so drafts that keep
-        # failing are a loss. 0 turns it off.
+        # proposing (its step is a plain decode) except for probes: the first after
+        # `spec_probe_interval` verifies, each later one twice as far (up to
+        # SPEC_MAX_PROBE_BACKOFF times), back to the interval once it drafts again. A verify
+        # window costs several decode steps on a CPU, so drafts that keep failing are a
+        # loss. 0 turns it off.
         self.spec_min_acceptance = spec_min_acceptance
         self.spec_probe_interval = spec_probe_interval
         self.prefix_cache = prefix_cache
@@ -321,9 +326,17 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
         if room <= 0 or request.params.has_penalty:
             return 0
         if request.spec_acceptance >= self.spec_min_acceptance:
+            request.spec_probe_after = 0
             return room
         request.spec_skipped += 1
-        return room if request.spec_skipped % self.spec_probe_interval == 0 else 0
+        after = request.spec_probe_after or self.spec_probe_interval
+        if request.spec_skipped < after:
+            return 0
+        # Probe; should it fail too, the next one waits twice as long.
+        request.spec_skipped = 0
+        cap = self.spec_probe_interval * SPEC_MAX_PROBE_BACKOFF
+        request.spec_probe_after = min(2 * after, cap)
+        return room
 
     def _record_acceptance(self, output: SchedulerOutput, sampled, num_drafts) -> None:
         """Each verify row's accepted share of its drafts into its acceptance EMA."""

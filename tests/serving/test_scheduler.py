@@ -567,3 +567,56 @@ def test_async_random_workloads(
     for r in reqs:
         want = expected_output(r.prompt_token_ids, r.params, eos)
         assert (r.output_token_ids, r.finish_reason) == want
+
+
+def test_failed_probes_back_off_exponentially_and_success_resets():
+    """A request whose drafts all fail stops drafting once its acceptance EMA drops below the
+    floor, then probes after 4, 8, 16, 32, 32 ... verifies (interval 4, back-off capped at
+    SPEC_MAX_PROBE_BACKOFF = 8 intervals); a probe that is accepted restores drafting and the
+    base interval."""
+    from serving.scheduler import SPEC_MAX_PROBE_BACKOFF
+
+    k, interval = 3, 4
+    sched = Scheduler(
+        PageAllocator(512, 4),
+        StatePool(3),
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        chunk_size=64,
+        max_model_len=2048,
+        num_decode_steps=k + 1,  # the verify window
+        speculative=True,
+        spec_min_acceptance=0.25,
+        spec_probe_interval=interval,
+    )
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000))
+    sched.add(request)
+    out = sched.schedule()
+    sched.update(out, {"r": 7})  # the prefill's token
+    drafted_at, step = [], 0
+
+    def run(steps, accept):
+        nonlocal step
+        for _ in range(steps):
+            out = sched.schedule()
+            n = out.max_drafts[0]
+            if n:
+                drafted_at.append(step)
+            tokens = [7] * (1 + (n if accept else 0))
+            sched.update(out, {"r": tokens}, {"r": n})
+            step += 1
+
+    run(200, accept=False)
+    # 4 failed windows take the EMA from 1.0 under 0.25 (0.7 ** 4 = 0.24).
+    gaps = [b - a for a, b in zip(drafted_at[3:], drafted_at[4:], strict=False)]
+    cap = interval * SPEC_MAX_PROBE_BACKOFF
+    assert drafted_at[:4] == [0, 1, 2, 3]
+    assert gaps[:5] == [interval, 2 * interval, 4 * interval, cap, cap], drafted_at
+    first_probe = len(drafted_at)
+    run(cap + 1, accept=True)  # the next probe succeeds: drafting resumes at once
+    after = drafted_at[first_probe:]
+    assert after[1:] == list(range(after[0] + 1, step)), drafted_at
+    fail_from, count = step, len(drafted_at)
+    run(16, accept=False)  # failing again: the same back-off from the base interval
+    f = fail_from
+    assert drafted_at[count:] == [f, f + 1, f + 2, f + 3, f + 7, f + 15], drafted_at[count:]
