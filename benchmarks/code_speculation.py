@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import print_table, write_json  # noqa: E402
+from common import print_table, serving_heap, write_json  # noqa: E402
 
 from kimi_linear_jax import corpus  # noqa: E402
 from kimi_linear_jax.checkpoint import BUILTIN_MODEL  # noqa: E402
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
+    serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
     configs = {
         "plain": LLM(**shapes),

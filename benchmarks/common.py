@@ -59,6 +59,15 @@ def timeit_interleaved(
     }
 
 
+def serving_heap() -> bool:
+    """The host heap `kimi-linear-jax generate` and `serve` run with (kimi_linear_jax/heap.py:
+    freed memory kept mapped on a CPU), for the benchmarks of serving; call it before JAX
+    computes anything. KIMI_LINEAR_JAX_MALLOC=system measures glibc's defaults instead."""
+    from kimi_linear_jax import heap
+
+    return heap.for_serving()
+
+
 def environment() -> dict[str, Any]:
     """Where the numbers came from."""
     dev = jax.devices()[0]
@@ -74,7 +83,14 @@ def environment() -> dict[str, Any]:
         "loadavg_1_5_15m": list(os.getloadavg()),
         # Allocator settings change CPU step times (decode_profile.py: fresh temp pages).
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "heap_kept": _heap_kept(),
     }
+
+
+def _heap_kept() -> bool:
+    from kimi_linear_jax import heap
+
+    return heap.applied()
 
 
 def write_json(

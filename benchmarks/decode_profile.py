@@ -57,11 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import print_table, write_json  # noqa: E402
+from common import print_table, serving_heap, write_json  # noqa: E402
 from throughput import memory_bandwidth, weight_bytes_per_step  # noqa: E402
 
 import serving.runner as runner_mod  # noqa: E402
-from kimi_linear_jax.config import preset  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 
@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", help="results/<JSON>.json (default decode_profile[_small])")
     p.add_argument("--dump-hlo", metavar="DIR", help="write the optimized HLO of each step here")
     a = p.parse_args(argv)
+    serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     batches = [int(x) for x in a.batches.split(",") if x.strip()]
     print(f"load average at start: {list(os.getloadavg())}", flush=True)
     bw = memory_bandwidth()

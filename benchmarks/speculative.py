@@ -58,12 +58,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import print_table, timeit_interleaved, write_json  # noqa: E402
+from common import print_table, serving_heap, timeit_interleaved, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 from throughput import weight_bytes_per_step  # noqa: E402
 
 import serving.runner as runner_mod  # noqa: E402
-from kimi_linear_jax.config import KimiLinearConfig, preset  # noqa: E402
+from kimi_linear_jax.config import KimiLinearConfig  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, prompt 16, N 12")
     a = p.parse_args(argv)
+    serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     if a.quick:
         a.preset, a.prompt_len, a.max_tokens = "tiny", 16, 12
     batches = sorted({int(x) for x in a.batches.split(",") if x.strip()})

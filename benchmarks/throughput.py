@@ -59,11 +59,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_forward import load_transformers  # noqa: E402
-from common import print_table, write_json  # noqa: E402
+from common import print_table, serving_heap, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kimi_linear_jax.checkpoint import save_pretrained  # noqa: E402
-from kimi_linear_jax.config import KimiLinearConfig, preset  # noqa: E402
+from kimi_linear_jax.config import KimiLinearConfig  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
@@ -435,6 +436,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse_args(argv)
+    serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     batches = sorted({int(x) for x in a.batches.split(",") if x.strip()})
     n = a.max_tokens
 

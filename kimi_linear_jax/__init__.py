@@ -2,8 +2,8 @@
 
 from kimi_linear_jax import heap
 
-# Before JAX's first computation, or it has no effect (see heap.py: page faults on CPU).
-heap.apply_default()
+# Only with KIMI_LINEAR_JAX_MALLOC=keep; before JAX's first computation (see heap.py).
+heap.apply_from_env()
 
 from kimi_linear_jax.config import KimiLinearConfig  # noqa: E402 (after the heap setup)
 from kimi_linear_jax.model import KimiLinearForCausalLM  # noqa: E402

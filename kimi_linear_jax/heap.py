@@ -13,10 +13,15 @@ regardless), and no trimming of the heap's top (M_TRIM_THRESHOLD). A freed temp 
 stays mapped and the next call reuses its pages. The price: the process keeps its peak heap
 instead of returning it to the system.
 
+The other price: with one arena, XLA's compiler threads wait on each other's mallocs. The test
+suite, which compiles far more than it runs, took 1.24x as long. So it is for serving
+processes, not a default of the package: `kimi-linear-jax generate` and `serve` call
+`for_serving()` on start, and an offline script calls it first thing.
+
 A thread keeps the arena it was first given, and XLA's threads allocate when the backend
-starts, so this only works before JAX's first computation: the package calls it when it is
-imported (`apply_default`), for CPU-only JAX, on glibc. `KIMI_LINEAR_JAX_MALLOC=system` leaves
-glibc's defaults.
+starts, so this only works before JAX's first computation. It applies on glibc, for CPU-only
+JAX. `KIMI_LINEAR_JAX_MALLOC=system` keeps glibc's defaults even in `for_serving`;
+`KIMI_LINEAR_JAX_MALLOC=keep` sets the options when the package is imported.
 """
 
 from __future__ import annotations
@@ -63,14 +68,24 @@ def cpu_only() -> bool:
     return importlib.util.find_spec("jax_plugins") is None
 
 
-def apply_default() -> bool:
-    """At import: keep freed memory on a CPU-only glibc host unless the user opted out."""
-    choice = os.environ.get(ENV, "keep").lower()
-    if choice not in ("keep", "system"):
+def _choice() -> str:
+    choice = os.environ.get(ENV, "").lower()
+    if choice not in ("", "keep", "system"):
         raise ValueError(f"{ENV} must be 'keep' or 'system', got {choice!r}")
-    if choice == "system" or not cpu_only():
+    return choice
+
+
+def for_serving() -> bool:
+    """Keep freed memory on a CPU-only glibc host, unless KIMI_LINEAR_JAX_MALLOC=system.
+    Call it before JAX's first computation."""
+    if _choice() == "system" or not cpu_only():
         return False
     return keep_freed_memory()
+
+
+def apply_from_env() -> bool:
+    """At import: keep freed memory when KIMI_LINEAR_JAX_MALLOC=keep (and the host allows)."""
+    return _choice() == "keep" and cpu_only() and keep_freed_memory()
 
 
 def applied() -> bool:

@@ -102,8 +102,8 @@ def cmd_info(args) -> int:
     import jax
     from flax import nnx
 
-    from kimi_linear_jax.config import preset
     from kimi_linear_jax.model import KimiLinearForCausalLM
+    from kimi_linear_jax.presets import preset
 
     cfg = preset(args.preset)
     abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(cfg, dtype=jax.numpy.bfloat16))
@@ -126,5 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `kimi-linear-jax` script: `main` in a process of its own. `generate` and `serve` on a
+    CPU first keep freed host memory (kimi_linear_jax/heap.py), before JAX computes anything;
+    `main` called in-process (tests, notebooks) leaves the host's malloc alone."""
+    argv = sys.argv[1:]
+    if argv and argv[0] in ("generate", "serve"):
+        from kimi_linear_jax import heap
+
+        heap.for_serving()
+    sys.exit(main(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their hos
 # The longest wait between two probes of a request that stopped drafting, in probe intervals.
 SPEC_MAX_PROBE_BACKOFF = 8
 
+
 class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMixin):
     """Decides which requests run each step and owns their pages and state slots."""
 

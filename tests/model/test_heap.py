@@ -57,13 +57,45 @@ def test_kept_heap_stops_the_page_faults_of_each_call():
 
 def test_opt_out_and_bad_value(monkeypatch):
     monkeypatch.setenv(heap.ENV, "system")
-    assert heap.apply_default() is False
+    assert heap.for_serving() is False and heap.apply_from_env() is False
+    monkeypatch.delenv(heap.ENV)
+    assert heap.apply_from_env() is False  # not a default of the package
     monkeypatch.setenv(heap.ENV, "sometimes")
     with pytest.raises(ValueError, match="KIMI_LINEAR_JAX_MALLOC must be 'keep' or 'system'"):
-        heap.apply_default()
+        heap.for_serving()
 
 
 @pytest.mark.parametrize("platforms,expected", [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
 def test_cpu_only_follows_jax_platforms(monkeypatch, platforms, expected):
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     assert heap.cpu_only() is expected
+
+
+ENTRY = """
+import contextlib, io, sys
+from kimi_linear_jax import heap
+from serving import cli
+sys.argv = ["kimi-linear-jax", *sys.argv[1:]]
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        cli.entry()
+    except SystemExit:
+        pass
+print(heap.applied())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setup is for glibc's malloc")
+@pytest.mark.parametrize("command,expected", [("generate", "True"), ("info", "False")])
+def test_the_script_keeps_freed_memory_for_generate_and_serve(command, expected):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop(heap.ENV, None)
+    out = subprocess.run(
+        [sys.executable, "-c", ENTRY, command, "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
