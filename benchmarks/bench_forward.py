@@ -27,8 +27,8 @@ from common import print_table, timeit_interleaved, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kimi_linear_jax.checkpoint import save_pretrained  # noqa: E402
-from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.model import forward, set_kda_impl  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 COLUMNS = [

@@ -20,8 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import print_table, timeit_interleaved, write_json  # noqa: E402
 
-from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.ops.kda import kda_chunked, kda_recurrent  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 
 COLUMNS = [
     "shape",

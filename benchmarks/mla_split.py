@@ -23,8 +23,8 @@ from common import print_table, timeit_interleaved, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kimi_linear_jax.cache import contiguous_batch, init_cache  # noqa: E402
-from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.model import HashedGraph, decode_step, for_serving  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 CONFIG = preset("small", vocab_size=320)

@@ -41,11 +41,11 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kimi_linear_jax.cache import contiguous_batch  # noqa: E402
-from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.model import decode_step  # noqa: E402
 from kimi_linear_jax.parallel.mesh import make_parallel  # noqa: E402
 from kimi_linear_jax.parallel.plan import plan_memory  # noqa: E402
 from kimi_linear_jax.parallel.rules import init_cache, shard_model  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
 GB, GiB, MiB = 1e9, 2**30, 2**20

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax.numpy as jnp  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-from kimi_linear_jax.config import preset  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 

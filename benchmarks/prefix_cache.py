@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-from kimi_linear_jax.config import preset  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402

@@ -33,7 +33,7 @@ CONCURRENCY = (1, 8, 32)
 def make_llm(preset_name: str) -> LLM:
     # One request per state slot up to 32; buckets 1 / 8 / 32 match the concurrency levels.
     shapes = dict(max_num_seqs=32, batch_buckets=(1, 8, 32), num_pages=512)
-    from kimi_linear_jax.config import preset
+    from kimi_linear_jax.presets import preset
     from kimi_linear_jax.testing import random_model
     from kimi_linear_jax.tokenizer import ByteTokenizer
 

@@ -31,8 +31,8 @@ from common import print_table, timeit_interleaved, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kimi_linear_jax.cache import contiguous_batch, init_cache  # noqa: E402
-from kimi_linear_jax.config import preset  # noqa: E402
 from kimi_linear_jax.model import HashedGraph, KimiLinearForCausalLM, merge  # noqa: E402
+from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from serving.sampling import SamplingBatch, SamplingParams  # noqa: E402
 from serving.speculative.verify import COMMITS, verify_step  # noqa: E402

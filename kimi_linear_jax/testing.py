@@ -10,8 +10,9 @@ import numpy as np
 from flax import nnx
 
 from kimi_linear_jax.checkpoint import save_pretrained
-from kimi_linear_jax.config import KimiLinearConfig, preset
+from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.model import init_model
+from kimi_linear_jax.presets import preset
 
 
 def random_model(config: KimiLinearConfig, *, seed: int = 0, dtype=jnp.float32):

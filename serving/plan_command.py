@@ -53,7 +53,8 @@ def add_plan_parser(sub) -> None:
 def _plan_config(preset_name, config_path):
     """(config, the dtype "auto" means for it) of a preset or a config.json."""
     from kimi_linear_jax.checkpoint import auto_dtype
-    from kimi_linear_jax.config import KimiLinearConfig, preset
+    from kimi_linear_jax.config import KimiLinearConfig
+    from kimi_linear_jax.presets import preset
 
     if config_path is None:
         return preset(preset_name or "kimi-linear-48b-a3b"), "bfloat16"

@@ -73,7 +73,8 @@ def train_config(args):
 def cmd_train(args) -> int:
     import jax.numpy as jnp
 
-    from kimi_linear_jax.config import KimiLinearConfig, preset
+    from kimi_linear_jax.config import KimiLinearConfig
+    from kimi_linear_jax.presets import preset
     from kimi_linear_jax.train import train
 
     config = preset(args.preset) if args.preset else KimiLinearConfig.from_json_file(args.config)

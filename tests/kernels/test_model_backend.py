@@ -10,9 +10,9 @@ from flax import nnx
 
 from kernels.mla_decode import kernel_supports
 from kimi_linear_jax.cache import contiguous_batch, init_cache
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.parallel.mesh import Parallel
 from kimi_linear_jax.parallel.rules import shard_model
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 

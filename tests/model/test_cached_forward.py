@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, contiguous_batch, init_cache
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import (
     commit_kda,
     decode_step,
@@ -20,6 +19,7 @@ from kimi_linear_jax.model import (
     prefill_step,
     set_kda_impl,
 )
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 

@@ -27,7 +27,7 @@ from kimi_linear_jax.checkpoint import (
     load_orbax,
     save_orbax,
 )
-from kimi_linear_jax.config import preset
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.safetensors_file import SafetensorsFile, write_safetensors
 from kimi_linear_jax.testing import make_tiny_checkpoint, random_model
 from tests.helpers import TF_TINY

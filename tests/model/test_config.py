@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax.config import _REQUIRED, PRESETS, KimiLinearConfig, preset
+from kimi_linear_jax.config import _REQUIRED, KimiLinearConfig
 from kimi_linear_jax.model import KimiLinearForCausalLM
+from kimi_linear_jax.presets import PRESETS, preset
 from tests.helpers import TF_TINY
 
 # The released Kimi-Linear-48B-A3B-Instruct config.json, field by field from the reference

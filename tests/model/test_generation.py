@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.generation import greedy_generate
 from kimi_linear_jax.model import forward
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import init_model
+from kimi_linear_jax.presets import preset
 
 
 def test_grad_finite_and_matches_finite_differences():

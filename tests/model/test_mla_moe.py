@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.layers import moe as moe_module
 from kimi_linear_jax.layers.mla import MLA
 from kimi_linear_jax.layers.moe import MoE
 from kimi_linear_jax.ops import mla as mla_ops
+from kimi_linear_jax.presets import preset
 from tests.helpers import assert_close
 
 

@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.cache import contiguous_batch, init_cache
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import HashedGraph, decode_step, for_serving, prefill_step
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.decode import decode_steps
 from serving.sampling import SamplingBatch, SamplingParams

@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kimi_linear_jax import corpus, load_pretrained
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import forward
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.train import (
     TrainConfig,
     Trainer,

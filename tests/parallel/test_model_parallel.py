@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.cache import contiguous_batch
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import commit_kda, for_serving, merge
 from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.rules import init_cache, shard_model
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from tests.helpers import assert_close
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.parallel.plan import parse_bytes, plan_memory
+from kimi_linear_jax.presets import preset
 
 RELEASE = preset("kimi-linear-48b-a3b")
 BF16, F32 = 2, 4

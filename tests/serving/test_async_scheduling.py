@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import pytest
 
-from kimi_linear_jax.config import preset
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
 from serving.engine import LLM

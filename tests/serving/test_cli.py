@@ -235,7 +235,7 @@ def test_parallel_flags_keep_greedy_output(checkpoint, reference, capsys, device
 
 def test_config_of_a_wrong_type_exits_2(capsys, tmp_path):
     """Issue 12, defect 9: a config.json field of the wrong type is a named error, exit 2."""
-    from kimi_linear_jax.config import preset
+    from kimi_linear_jax.presets import preset
 
     hf = preset("tiny").to_hf_config()
     hf["hidden_size"] = "64"

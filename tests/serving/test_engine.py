@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.checkpoint import save_pretrained
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.generation import greedy_generate
 from kimi_linear_jax.model import forward
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
 from serving.engine import LLM, RequestOutput

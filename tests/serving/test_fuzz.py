@@ -67,7 +67,7 @@ CHAT = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=2)}, option
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    from kimi_linear_jax.config import preset
+    from kimi_linear_jax.presets import preset
     from kimi_linear_jax.testing import random_model
     from kimi_linear_jax.tokenizer import ByteTokenizer
 
@@ -149,7 +149,7 @@ def _ok_int(v, low):
 
 @pytest.fixture(scope="module")
 def offline_llm():
-    from kimi_linear_jax.config import preset
+    from kimi_linear_jax.presets import preset
     from kimi_linear_jax.testing import random_model
 
     return LLM(random_model(preset("tiny")), **SHAPES)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from kimi_linear_jax.config import preset
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
 from serving import lockstep

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.checkpoint import auto_dtype, save_pretrained
-from kimi_linear_jax.config import preset
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
 

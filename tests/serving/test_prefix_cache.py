@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kimi_linear_jax.cache import CacheLayout
-from kimi_linear_jax.config import preset
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.allocator import PageAllocator
 from serving.engine import LLM

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import forward
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
 from serving.sampling import SamplingParams

@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 from kimi_linear_jax.cache import Batch, init_cache
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.model import decode_step, prefill_step
+from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
 from serving.sampling import SamplingBatch, SamplingParams

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kimi_linear_jax.cache import KDAState, init_kda_state
-from kimi_linear_jax.config import preset
 from kimi_linear_jax.layers.block import state_rows
+from kimi_linear_jax.presets import preset
 from serving.state_pool import NULL_SLOT, OutOfSlotsError, StatePool, copy_rows, reset_slots
 
 NUM_SLOTS = 6
