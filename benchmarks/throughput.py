@@ -19,7 +19,9 @@ first call warms its allocator). Then ``--repeats`` rounds of one call per side,
 taking turns (ours, ours fused, transformers, ours, ...), so that a slow spell of the shared
 machine hits every side alike; each figure is the fastest of its calls, and the ratios come from
 the same run. Every call's spans are in the JSON. Sides: ours unfused (the goal metric), ours
-with ``num_scheduler_steps=--fused-steps`` decode steps fused in one call, and transformers once
+with ``num_scheduler_steps=--fused-steps`` decode steps fused in one call, ours unfused with
+``async_scheduling=True`` (the host's work on step n's tokens overlaps step n + 1; off with
+``--no-async``), and transformers once
 per ``--torch-threads`` count (default 1 and all cores), each figure taken from the faster: on
 the shared 2-core machine torch's two-thread runs slow down several-fold under load.
 
@@ -83,6 +85,7 @@ COLUMNS = [
     "greedy_rows_equal",
 ]
 FUSED_STEPS = 8  # default `num_scheduler_steps` of the fused column
+OTHER_SIDES = ("ours_fused", "ours_async")  # our engines beside the unfused, synchronous one
 
 
 # ---- roofline ----------------------------------------------------------------------------------
@@ -297,26 +300,30 @@ def record(name: str, timed: dict, b: int, prompt_len: int, n: int, row: dict) -
 
 
 def build_sides(a, batches: list[int], n: int):
-    """(config, model, n_params, llm, llm_fused or None, transformers model or None), all on
-    one random checkpoint saved with save_pretrained."""
+    """(config, model, n_params, llm, others, transformers model or None), all on one random
+    checkpoint saved with save_pretrained. `others`: our other engines by side name,
+    "ours_fused" (num_scheduler_steps) and "ours_async" (async_scheduling), each unless
+    turned off."""
     config = preset("small")
     model = random_model(config, seed=a.seed, dtype=jnp.float32)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         llm = make_llm(tmp, batches, a.prompt_len, n)
-        llm_fused = (
-            make_llm(tmp, batches, a.prompt_len, n, num_scheduler_steps=a.fused_steps)
-            if a.fused_steps > 1
-            else None
-        )
+        others = {}
+        if a.fused_steps > 1:
+            others["ours_fused"] = make_llm(
+                tmp, batches, a.prompt_len, n, num_scheduler_steps=a.fused_steps
+            )
+        if not a.no_async:
+            others["ours_async"] = make_llm(tmp, batches, a.prompt_len, n, async_scheduling=True)
         tmodel = None if a.no_hf else load_transformers(tmp)
     if tmodel is not None:
         # No EOS at all: nothing stops early and no logits processor masks EOS, like ours
         # with ignore_eos=True (min_new_tokens is then a no-op kept for clarity).
         tmodel.generation_config.eos_token_id = None
         tmodel.generation_config.pad_token_id = config.pad_token_id
-    return config, model, n_params, llm, llm_fused, tmodel
+    return config, model, n_params, llm, others, tmodel
 
 
 def warm_up(sides: dict, row: dict) -> None:
@@ -344,7 +351,7 @@ def compare_greedy(ours_t: np.ndarray, hf_t: np.ndarray, n: int, row: dict) -> N
 
 def add_ratios(row: dict, model, config, b: int, ctx: float, bw: dict) -> None:
     """ours / transformers (prefill, decode) per side of ours, and the roofline figures."""
-    for name in ("ours", "ours_fused"):
+    for name in ("ours", *OTHER_SIDES):
         if isinstance(row.get(f"{name}_decode_tok_s"), float) and isinstance(
             row.get("hf_decode_tok_s"), float
         ):
@@ -359,18 +366,18 @@ def add_ratios(row: dict, model, config, b: int, ctx: float, bw: dict) -> None:
     sb = state_bytes_per_step(config, b, ctx, 4)
     row["state_bytes_per_step"] = sb
     row["roofline_with_state_tok_s"] = b / ((wb["weight_bytes_per_step"] + sb) / 1e9 / gbps)
-    for name in ("ours", "ours_fused"):
+    for name in ("ours", *OTHER_SIDES):
         if isinstance(row.get(f"{name}_decode_tok_s"), float):
             row[f"{name}/roofline"] = row[f"{name}_decode_tok_s"] / row["roofline_decode_tok_s"]
 
 
-def run_batch(b, prompts, llm, llm_fused, tmodel, a, n) -> dict:
+def run_batch(b, prompts, llm, others, tmodel, a, n) -> dict:
     """Warm-up, then the interleaved best-of-N timings of every side at batch b."""
     row: dict = {"B": b, "prompt_len": a.prompt_len, "max_tokens": n}
     row["loadavg_1m_before"] = os.getloadavg()[0]
     sides = {"ours": lambda: ours_generate(llm, prompts, n)}
-    if llm_fused is not None:
-        sides["ours_fused"] = lambda: ours_generate(llm_fused, prompts, n)
+    for name, engine in others.items():
+        sides[name] = lambda engine=engine: ours_generate(engine, prompts, n)
     for t in a.torch_threads if tmodel is not None else ():
         sides[f"hf_{t}t"] = lambda t=t: hf_generate(tmodel, prompts, n, t)
     warm_up(sides, row)
@@ -422,6 +429,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="throughput", help="results/<JSON>.json")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument(
+        "--no-async", action="store_true", help="skip the async-scheduling column of ours"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: B 1,2, prompt 16, N 8")
     a = p.parse_args(argv)
     if a.quick:
@@ -449,10 +459,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     bw = memory_bandwidth()
     print(f"memory bandwidth (numpy copy): {bw['bandwidth_GBps']:.2f} GB/s", flush=True)
-    config, model, n_params, llm, llm_fused, tmodel = build_sides(a, batches, n)
+    config, model, n_params, llm, others, tmodel = build_sides(a, batches, n)
     print(
         f"small preset: {n_params / 1e6:.1f}M parameters; torch threads {a.torch_threads}; "
-        f"fused column: {f'num_scheduler_steps={a.fused_steps}' if llm_fused else 'none'}; "
+        f"other columns of ours: {sorted(others) or 'none'} (fused: {a.fused_steps} steps); "
         f"best of {a.repeats}, sides interleaved",
         flush=True,
     )
@@ -461,17 +471,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for b in batches:
         prompts = rng.integers(0, config.vocab_size, (b, a.prompt_len), dtype=np.int64)
-        rows.append(run_batch(b, prompts, llm, llm_fused, tmodel, a, n))
+        rows.append(run_batch(b, prompts, llm, others, tmodel, a, n))
         print(f"done: B={b} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
     bw = bandwidth_after(bw)
     for row in rows:
         add_ratios(row, model, config, row["B"], a.prompt_len + n / 2, bw)  # mean decode ctx
 
     columns = list(COLUMNS)
-    if llm_fused is not None:
+    for name in reversed([n for n in OTHER_SIDES if n in others]):
         at = columns.index("decode_ratio") + 1
-        columns[at:at] = ["ours_fused_decode_tok_s", "ours_fused/hf_decode"]
-        columns.append("ours_fused/roofline")
+        columns[at:at] = [f"{name}_decode_tok_s", f"{name}/hf_decode"]
+    columns += [f"{n}/roofline" for n in OTHER_SIDES if n in others]
     print()
     print_table(rows, columns)
     wall = time.perf_counter() - t_start
@@ -486,7 +496,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "max_tokens": n,
             "batches": batches,
             "repeats": a.repeats,
-            "fused_steps": a.fused_steps if llm_fused is not None else None,
+            "fused_steps": a.fused_steps if "ours_fused" in others else None,
+            "async_column": "ours_async" in others,
             "quick": a.quick,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
