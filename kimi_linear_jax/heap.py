@@ -32,6 +32,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import warnings
 
 # mallopt parameter numbers, from glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
@@ -59,7 +60,7 @@ def keep_freed_memory() -> bool:
 def cpu_only() -> bool:
     """Whether JAX will run on the CPU, decided without starting a backend: JAX_PLATFORMS says
     cpu, or no accelerator plugin is installed (JAX finds them as `jax_plugins` entry points
-    or modules, or as jaxlib's bundled CUDA / ROCm)."""
+    or modules)."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
@@ -84,8 +85,14 @@ def for_serving() -> bool:
 
 
 def apply_from_env() -> bool:
-    """At import: keep freed memory when KIMI_LINEAR_JAX_MALLOC=keep (and the host allows)."""
-    return _choice() == "keep" and cpu_only() and keep_freed_memory()
+    """At import: keep freed memory when KIMI_LINEAR_JAX_MALLOC=keep (and the host allows). A
+    bad value warns here, so the package still imports; `for_serving` raises on it."""
+    try:
+        choice = _choice()
+    except ValueError as e:
+        warnings.warn(str(e), stacklevel=2)
+        return False
+    return choice == "keep" and cpu_only() and keep_freed_memory()
 
 
 def applied() -> bool:

@@ -134,7 +134,11 @@ def entry() -> None:
     if argv and argv[0] in ("generate", "serve"):
         from kimi_linear_jax import heap
 
-        heap.for_serving()
+        try:
+            heap.for_serving()
+        except ValueError as e:  # a bad KIMI_LINEAR_JAX_MALLOC
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     sys.exit(main(argv))
 
 

@@ -63,6 +63,8 @@ def test_opt_out_and_bad_value(monkeypatch):
     monkeypatch.setenv(heap.ENV, "sometimes")
     with pytest.raises(ValueError, match="KIMI_LINEAR_JAX_MALLOC must be 'keep' or 'system'"):
         heap.for_serving()
+    with pytest.warns(UserWarning, match="must be 'keep' or 'system', got 'sometimes'"):
+        assert heap.apply_from_env() is False  # importing the package still works
 
 
 @pytest.mark.parametrize("platforms,expected", [("cpu", True), ("cuda,cpu", False), ("tpu", False)])
@@ -99,3 +101,18 @@ def test_the_script_keeps_freed_memory_for_generate_and_serve(command, expected)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_script_refuses_a_bad_setting():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", heap.ENV: "sometimes"}
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "serving.cli", "generate", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: KIMI_LINEAR_JAX_MALLOC must be 'keep' or 'system', got 'sometimes'"
+    )
