@@ -63,6 +63,43 @@ def _delta_step(state: Array, k_t: Array, v_t: Array, g_t: Array, b_t: Array) ->
     return state + k_t[..., :, None] * delta[..., None, :]
 
 
+def _window_update(s: Array, k_t: Array, v_t: Array, g_t: Array, b_t: Array, q_t: Array):
+    """One token of the recurrence that reads the state once, for the serving window.
+
+    `_delta_step` plus the readout make XLA write the decayed state, read it for k^T S,
+    write the new state and read that for q^T S_new: four passes over [B, H, K, V] per token.
+    Here both products come from one dot with the state before the decay, since
+    k^T (S e^g) = (k e^g)^T S and q^T S_new = (q e^g)^T S + (q . k) delta, and the new
+    state is one elementwise pass. Equal to the reference up to rounding (tested).
+    `q_t` None skips the readout (the replay). Returns (new state, o_t or None).
+    """
+    decay = jnp.exp(g_t)
+    lhs = (k_t * decay)[:, :, None] if q_t is None else jnp.stack([k_t, q_t], 2) * decay[:, :, None]
+    products = jnp.einsum("bhnk,bhkv->bhnv", lhs, s, precision=_PREC)
+    delta = b_t[..., None] * (v_t - products[:, :, 0])
+    s = s * decay[..., None] + k_t[..., :, None] * delta[..., None, :]
+    if q_t is None:
+        return s, None
+    return s, products[:, :, 1] + jnp.sum(q_t * k_t, -1, keepdims=True) * delta
+
+
+def _run_window(q, k, v, g, beta, state, scale, *, keep_states: bool):
+    """`_run_steps` with `_window_update`: o [B,T,H,V], final state, every step's state or
+    None."""
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s, o_t = _window_update(s, k_t, v_t, g_t, b_t, q_t * scale)
+        return s, ((o_t, s) if keep_states else o_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    final, ys = lax.scan(step, state, xs)
+    if keep_states:
+        o, states = ys
+        return jnp.moveaxis(o, 0, 1), final, jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(ys, 0, 1), final, None
+
+
 def _run_steps(q, k, v, g, beta, state, scale, *, keep_states: bool):
     """Scan the recurrence over T.
 
@@ -300,7 +337,7 @@ def kda_window(
       o [B,T,H,V] and states [B,T,H,K,V], where states[:, t] is the state after token t.
     """
     q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
-    o, _, states = _run_steps(q, k, v, g, beta, state, scale, keep_states=keep_states)
+    o, _, states = _run_window(q, k, v, g, beta, state, scale, keep_states=keep_states)
     return o, states
 
 
@@ -363,7 +400,9 @@ def kda_replay(
     def step(carry, xs):
         s, snap = carry
         t, k_t, v_t, g_t, b_t = xs
-        s = jnp.where(rows(t < commit_lens), _delta_step(s, k_t, v_t, g_t, b_t), s)
+        # The window's update (not the reference's), so both commits give the same state.
+        new, _ = _window_update(s, k_t, v_t, g_t, b_t, None)
+        s = jnp.where(rows(t < commit_lens), new, s)
         # The snapshot takes the state once the pass has run its tokens; a snapshot beyond
         # commit_lens is never asked for (the caller drops it), so it may stop early.
         return (s, jnp.where(rows(t + 1 == snap_lens), s, snap)), None
