@@ -83,25 +83,15 @@ def _window_update(s: Array, k_t: Array, v_t: Array, g_t: Array, b_t: Array, q_t
     return s, products[:, :, 1] + jnp.sum(q_t * k_t, -1, keepdims=True) * delta
 
 
-def _run_window(q, k, v, g, beta, state, scale, *, keep_states: bool):
-    """`_run_steps` with `_window_update`: o [B,T,H,V], final state, every step's state or
-    None."""
-
-    def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        s, o_t = _window_update(s, k_t, v_t, g_t, b_t, q_t * scale)
-        return s, ((o_t, s) if keep_states else o_t)
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    final, ys = lax.scan(step, state, xs)
-    if keep_states:
-        o, states = ys
-        return jnp.moveaxis(o, 0, 1), final, jnp.moveaxis(states, 0, 1)
-    return jnp.moveaxis(ys, 0, 1), final, None
+def _reference_update(s: Array, k_t: Array, v_t: Array, g_t: Array, b_t: Array, q_t: Array):
+    """`_delta_step`, then the readout q^T S_new: the reference token of the recurrence."""
+    s = _delta_step(s, k_t, v_t, g_t, b_t)
+    return s, jnp.einsum("bhk,bhkv->bhv", q_t, s, precision=_PREC)
 
 
-def _run_steps(q, k, v, g, beta, state, scale, *, keep_states: bool):
-    """Scan the recurrence over T.
+def _run_steps(q, k, v, g, beta, state, scale, *, keep_states: bool, update=_reference_update):
+    """Scan the recurrence over T, one token by `update` (the reference, or the serving
+    window's `_window_update`).
 
     Returns o [B,T,H,V], the final state [B,H,K,V] and, if ``keep_states``, the state after
     every step [B,T,H,K,V] (else None).
@@ -109,8 +99,7 @@ def _run_steps(q, k, v, g, beta, state, scale, *, keep_states: bool):
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
-        s = _delta_step(s, k_t, v_t, g_t, b_t)
-        o_t = jnp.einsum("bhk,bhkv->bhv", q_t * scale, s, precision=_PREC)
+        s, o_t = update(s, k_t, v_t, g_t, b_t, q_t * scale)
         return s, ((o_t, s) if keep_states else o_t)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
@@ -337,7 +326,9 @@ def kda_window(
       o [B,T,H,V] and states [B,T,H,K,V], where states[:, t] is the state after token t.
     """
     q, k, v, g, beta, state, scale = _prepare(q, k, v, g, beta, initial_state, scale)
-    o, _, states = _run_window(q, k, v, g, beta, state, scale, keep_states=keep_states)
+    o, _, states = _run_steps(
+        q, k, v, g, beta, state, scale, keep_states=keep_states, update=_window_update
+    )
     return o, states
 
 
