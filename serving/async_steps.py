@@ -5,7 +5,7 @@ next. Outputs do not change (README, "Async scheduling")."""
 
 from __future__ import annotations
 
-from serving.runner import InFlight
+from serving.step_result import InFlight
 
 
 class AsyncStepsMixin:

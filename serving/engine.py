@@ -45,7 +45,7 @@ from serving.loading import _check_draft_pairing, _config_of, _draft_plan, _load
 from serving.memory import PoolOptions, plan_pools
 from serving.output import OutputsMixin, RequestOutput, _Tracked
 from serving.prefix_cache import PrefixCache
-from serving.runner import InFlight, ModelRunner
+from serving.runner import ModelRunner
 from serving.sampling import SamplingParams, is_int
 from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
@@ -53,6 +53,7 @@ from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter
 from serving.speculative.track import resolve_track_interval
 from serving.state_pool import StatePool
+from serving.step_result import InFlight
 
 log = logging.getLogger("kimi_linear_jax.engine")
 

@@ -40,7 +40,6 @@ fused scan the counts advance on device. Logprobs (the sampled token and the top
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +51,19 @@ from kimi_linear_jax.model import HashedGraph, prefill_step
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, block_table_row
 from serving.decode import decode_steps, pick_jit
-from serving.prompt_logprobs import Entries, entries, prompt_logprobs_step, targets
+from serving.prompt_logprobs import entries, prompt_logprobs_step, targets
 from serving.request import Request
-from serving.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
+from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import Placement, SchedulerOutput
 from serving.speculative.verify import verify_step
 from serving.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
+from serving.step_result import (
+    InFlight,
+    Sample,
+    StepResult,
+    host_samples,
+    sample_mode,
+)
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -73,65 +79,12 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 MIN_TABLE_WIDTH = 16
 
 
-class Sample(NamedTuple):
-    """One sampled token of a request; logprob and top are None when it did not ask."""
-
-    token: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-
-
-class InFlight(NamedTuple):
-    """A dispatched decode step whose picks ([B, S, ...] device arrays) are not fetched yet."""
-
-    output: SchedulerOutput
-    picked: tuple
-    mode: str
-
-
 @jax.jit
 def _next_ids(prev_tokens, host_ids, src):
     """Decode inputs [B]: the host's token where src < 0, else the in-flight step's pick at
     flat index src of its tokens [B', S'] (the token it sampled last for that request)."""
     flat = prev_tokens.reshape(-1)
     return jnp.where(src >= 0, flat[jnp.maximum(src, 0)], host_ids)
-
-
-class StepResult(NamedTuple):
-    """What a step measured, for the scheduler to apply: each sampling row's samples in
-    order, the drafts each verify row proposed (it accepted len(samples) - 1), and the prompt
-    logprobs of the prefill rows that ask (`prompt_logprobs.entries`)."""
-
-    samples: dict[Hashable, list[Sample]]
-    num_drafts: dict[Hashable, int]
-    prompt_logprobs: dict[Hashable, Entries]
-
-
-def _mode(requests: Sequence[Request]) -> str:
-    if any(r.params.has_penalty for r in requests):
-        return "penalized"
-    if any(r.params.temperature >= GREEDY_EPS or r.params.logprobs is not None for r in requests):
-        return "sample"
-    return "greedy"
-
-
-def _samples(picked, requests: Sequence[Request | None], mode: str) -> list[list[Sample]]:
-    """Host-side [B, S] arrays -> per live row, its S samples (logprobs only where asked)."""
-    tokens, chosen, top_ids, top_values = (np.asarray(x) for x in picked)
-    out = []
-    for i, r in enumerate(requests):
-        if r is None:
-            continue
-        n = r.params.logprobs
-        row = []
-        for s in range(tokens.shape[1]):
-            if n is None or mode == "greedy":
-                row.append(Sample(int(tokens[i, s])))
-            else:
-                top = [(int(t), float(v)) for t, v in zip(top_ids[i, s, :n], top_values[i, s, :n])]
-                row.append(Sample(int(tokens[i, s]), float(chosen[i, s]), top))
-        out.append(row)
-    return out
 
 
 class ModelRunner:
@@ -321,14 +274,14 @@ class ModelRunner:
         `prompt` (device arrays, or () when no row asks) in one transfer."""
         rows = [c.request if c.samples else None for c in chunks]
         live = [r for r in rows if r is not None]
-        mode = _mode(live) if live else "greedy"
+        mode = sample_mode(live) if live else "greedy"
         picked = ()
         if live:
             picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
             picked = tuple(x[:, None] for x in picked)
         picked, prompt = jax.device_get((picked, prompt))  # one transfer
         if live:
-            samples = _samples(picked, rows, mode)
+            samples = host_samples(picked, rows, mode)
             result.samples.update(zip((r.request_id for r in live), samples, strict=True))
         if prompt:
             result.prompt_logprobs.update(entries(prompt, chunks))
@@ -353,7 +306,7 @@ class ModelRunner:
                 ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = steps[i]
         num_steps = self._num_steps(steps)
-        mode = _mode(requests)
+        mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
         picked, _, self.cache = decode_steps(
             self.graphdef,
@@ -388,7 +341,7 @@ class ModelRunner:
         """Wait for a dispatched decode step's picks (one transfer): each row's samples."""
         output = flight.output
         rows: list[Request | None] = list(output.decode)
-        samples = _samples(jax.device_get(flight.picked), rows, flight.mode)
+        samples = host_samples(jax.device_get(flight.picked), rows, flight.mode)
         by_row = {
             r.request_id: row[: output.decode_steps[i]]
             for i, (r, row) in enumerate(zip(output.decode, samples, strict=True))
@@ -408,7 +361,7 @@ class ModelRunner:
             if not output.track:
                 return self._draftless(output, batch, result)
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
-        mode = _mode(requests)
+        mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
         track_slots = np.full(b, -1, np.int32)
         track_steps = np.full(b, -1, np.int32)
@@ -435,7 +388,7 @@ class ModelRunner:
         self.drafter.rollback(batch.slots, commit_lens)
         host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
         commit_lens, num = np.asarray(host[0]), np.asarray(num)
-        samples = _samples(host[1:], rows, mode)
+        samples = host_samples(host[1:], rows, mode)
         n = len(requests)
         self.spec_counts["draft_tokens"] += int(num[:n].sum())
         self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
