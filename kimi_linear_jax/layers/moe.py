@@ -68,11 +68,27 @@ def _mask_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
     return jnp.where(mask, choice, -jnp.inf)
 
 
-# Rows per tile of the "tiled" path, at most. A tile reads one expert's three matrices, so at
-# decode sizes (N <= TILE_ROWS) the tile is all N rows and each used expert is read once; at
-# prefill sizes the padding of each expert's group to whole tiles stays small next to the
-# N * E rows of the dense form (measured on CPU, `small` shapes: 64..256 all alike, 512 worse).
+# Rows per tile of the "tiled" path beyond decode sizes, at most. A tile reads one expert's
+# three matrices; at prefill sizes the padding of each expert's group to whole tiles stays
+# small next to the N * E rows of the dense form (measured on CPU, `small` shapes: 64..256 all
+# alike, 512 worse).
 TILE_ROWS = 128
+
+# Tiles of one (token, expert) pair while the experts get at most this many pairs each on
+# average (decode steps, small verify windows). XLA:CPU runs a one-row product as a fused
+# matrix-vector loop near the memory bandwidth, but a product of 8 to 32 rows at 3-6 GB/s; the
+# pairs are sorted by expert, so an expert's later pairs find its weights in cache. On `small`
+# (E = 8, k = 2) one-pair tiles took the routed product at 8 and 32 tokens to about half the
+# time, and lost from 160 tokens on (benchmarks/moe_tiles.py).
+PAIR_TILES_UP_TO = 8
+
+
+def tile_rows(n_tokens: int, k: int, n_experts: int) -> int:
+    """Rows per tile of the "tiled" path for N tokens routed to k of E experts each."""
+    if n_tokens * k <= PAIR_TILES_UP_TO * n_experts:
+        return 1
+    return min(n_tokens, TILE_ROWS)
+
 
 DISPATCHES = ("auto", "ragged", "tiled", "dense")
 
@@ -106,6 +122,18 @@ _RAGGED_DNUMS = jax.lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0],
 )
+
+
+def _expert_ffn(x: jax.Array, e: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+    """Expert e's SwiGLU on rows x [T, D]; weights (w1, w3, w2) stacked [E, out, in].
+
+    Written as products with transposed weights, not einsums: with one row, XLA:CPU fuses each
+    matrix-vector product and the expert's dynamic slice into one loop that reads the stacked
+    weights in place. The einsum form copied the expert's three matrices out first and ran the
+    one-row MoE 1.6-2x slower (benchmarks/moe_tiles.py)."""
+    w1, w3, w2 = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False) for m in weights)
+    h = (jax.nn.silu(x @ w1.T) * (x @ w3.T)).astype(x.dtype)
+    return h @ w2.T
 
 
 class Experts(nnx.Module):
@@ -145,7 +173,8 @@ class Experts(nnx.Module):
         return jnp.zeros((N, x.shape[-1]), w.dtype).at[order // k].add(y)
 
     def tiled(self, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
-        """Tiles of T = min(N, TILE_ROWS) expert-sorted rows, one expert per tile.
+        """Tiles of T expert-sorted rows, one expert per tile (`tile_rows`: one pair at decode
+        sizes, else min(N, TILE_ROWS)).
 
         Each expert's group of rows is padded to whole tiles; tile t belongs to the expert whose
         cumulative tile count first exceeds t. The loop has the static bound ceil(N*k / T) + E
@@ -154,7 +183,7 @@ class Experts(nnx.Module):
         """
         N, k = idx.shape
         E, D = self.w1.shape[0], x.shape[-1]
-        T = min(N, TILE_ROWS)
+        T = tile_rows(N, k, E)
         order, sizes = _sort_by_expert(idx, E)
         ends = jnp.cumsum(sizes)
         starts = ends - sizes
@@ -170,14 +199,7 @@ class Experts(nnx.Module):
             e = jnp.searchsorted(tile_ends, t, side="right")
             row0 = starts[e] + (t - (tile_ends[e] - tiles[e])) * T
             xt = jax.lax.dynamic_slice_in_dim(xs, row0, T)
-
-            def expert(m):
-                return jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
-
-            gate = jnp.einsum("td,id->ti", xt, expert(w1))
-            up = jnp.einsum("td,id->ti", xt, expert(w3))
-            h = (jax.nn.silu(gate) * up).astype(x.dtype)
-            out = jnp.einsum("ti,di->td", h, expert(w2)).astype(w.dtype)
+            out = _expert_ffn(xt, e, (w1, w3, w2)).astype(w.dtype)
             valid = row0 + jnp.arange(T) < ends[e]
             scale = jnp.where(valid, jax.lax.dynamic_slice_in_dim(ws, row0, T), 0)
             return y.at[jax.lax.dynamic_slice_in_dim(rows, row0, T)].add(out * scale[:, None])

@@ -3,6 +3,9 @@ every MoE dispatch (ragged, tiled) against the dense reference."""
 
 from __future__ import annotations
 
+import re
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,8 +176,10 @@ def test_dispatch_token_counts_equal_dense(dispatch, tokens, shared):
 def test_dispatch_crowded_experts_equal_dense(monkeypatch, dispatch, tile_rows):
     """A router bias that sends every token to the same two experts (six stay unused, one
     group holds every row); small tiles split that group over many tiles, with a ragged last
-    one."""
+    one. (22 tokens are decode-sized for `tile_rows`: the pair-tile rule is switched off so
+    that TILE_ROWS sets the tile.)"""
     monkeypatch.setattr(moe_module, "TILE_ROWS", tile_rows)
+    monkeypatch.setattr(moe_module, "PAIR_TILES_UP_TO", 0)
     cfg = preset("tiny", num_expert_group=1, topk_group=1)
     moe = _random_moe(cfg, 3, bias_scale=0.0)
     moe.gate.e_score_correction_bias.set_value(jnp.zeros(cfg.num_experts).at[5].set(9).at[2].set(8))
@@ -182,6 +187,54 @@ def test_dispatch_crowded_experts_equal_dense(monkeypatch, dispatch, tile_rows):
     _, idx = moe.gate(x.reshape(-1, cfg.hidden_size))
     assert set(np.unique(np.asarray(idx))) == {2, 5}
     _against_dense(moe, x, dispatch)
+
+
+def test_tile_rows_are_pairs_at_decode_sizes():
+    """One (token, expert) pair per tile while the experts average at most PAIR_TILES_UP_TO
+    pairs each; TILE_ROWS-row tiles (or all N rows) beyond."""
+    limit = moe_module.PAIR_TILES_UP_TO
+    assert moe_module.tile_rows(1, 2, 8) == 1
+    assert moe_module.tile_rows(limit * 4, 2, 8) == 1
+    assert moe_module.tile_rows(limit * 4 + 1, 2, 8) == limit * 4 + 1
+    assert moe_module.tile_rows(1000, 2, 8) == moe_module.TILE_ROWS
+
+
+def _unfused_instructions(hlo: str) -> list[str]:
+    """The instructions of an optimized HLO module outside fusion bodies: each one's result is
+    a buffer of its own."""
+    bodies = set(re.findall(r"calls=(%[\w.\-]+)", hlo))
+    current, kept = None, []
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if header:
+            current = header.group(1)
+        elif current not in bodies:
+            kept.append(line.strip())
+    return kept
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_tiled_decode_reads_each_expert_in_place(tokens):
+    """At decode sizes no buffer shaped like one expert's matrix is made: the products read
+    the stacked weights in place. (The einsum form of the products made XLA:CPU copy the
+    expert's three matrices out first, which doubled the time of a one-token MoE.)"""
+    cfg = preset("tiny", moe_intermediate_size=48)  # [48, 64]: a shape nothing else has
+    experts = moe_module.Experts(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    weights = (experts.w1[...], experts.w3[...], experts.w2[...])
+    x = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size))
+    w = jnp.full((tokens, 2), 0.5)
+    idx = jnp.tile(jnp.array([[1, 3]], jnp.int32), (tokens, 1))
+
+    def routed(w1, w3, w2, x, w, idx):
+        return moe_module.Experts.tiled(types.SimpleNamespace(w1=w1, w3=w3, w2=w2), x, w, idx)
+
+    hlo = jax.jit(routed).lower(*weights, x, w, idx).compile().as_text()
+    copies = [
+        line[:160]
+        for line in _unfused_instructions(hlo)
+        if re.search(r"= f32\[(48,64|64,48)\]\{[\d,]+\} (?!parameter)", line)
+    ]
+    assert not copies, copies
 
 
 def test_tiled_dispatch_under_jit_equals_dense():
