@@ -12,6 +12,7 @@ from flax import nnx
 
 from kimi_linear_jax.cache import Batch, contiguous_batch, init_cache
 from kimi_linear_jax.model import (
+    HashedGraph,
     commit_kda,
     decode_step,
     for_serving,
@@ -179,3 +180,17 @@ def test_for_serving_copy(model):
         _, cache = prefill_step(graphdef, params, ids[:, :N], fresh_cache(cfg, B), batch)
         out.append(np.asarray(decode_step(graphdef, params, ids[:, N:], cache, step)[0]))
     assert_close(out[1], out[0], atol=1e-6, rtol_rms=1e-7, name="decode logits")
+
+
+def test_equal_graphdefs_share_one_hashed_graph():
+    """jit compares a static argument with its cached key by identity, else with ==, which
+    walks a whole graphdef: equal graphdefs (two engines over one model) must be one object."""
+    first = nnx.split(random_model(preset("tiny"), seed=1))[0]
+    same = nnx.split(random_model(preset("tiny"), seed=2))[0]  # other weights, same graph
+    other = nnx.split(
+        random_model(preset("tiny", num_hidden_layers=2, kda_layers=(1,), full_attn_layers=(2,)))
+    )[0]
+    assert first is not same and first == same
+    assert HashedGraph(first) is HashedGraph(same)
+    assert HashedGraph(other) is not HashedGraph(first)
+    assert HashedGraph(other).graphdef is other
