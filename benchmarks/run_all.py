@@ -21,8 +21,10 @@ import bench_kda  # noqa: E402
 import decode_profile  # noqa: E402
 import mla_decode  # noqa: E402
 import mla_split  # noqa: E402
+import moe_tiles  # noqa: E402
 import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
+import small_m_products  # noqa: E402
 import speculative  # noqa: E402
 import throughput  # noqa: E402
 import verify_commit  # noqa: E402
@@ -63,6 +65,10 @@ BENCHMARKS = {
     "pool_size": pool_size.main,
     # The decode step with W_UK / W_UV sliced from kv_b_proj in the step vs split once.
     "mla_split": mla_split.main,
+    # The CPU routed-expert loop: one-pair tiles, in-place expert reads vs before.
+    "moe_tiles": moe_tiles.main,
+    # Weight GB/s of 1 to 32-row products, XLA vs torch: the CPU limit at B >= 2.
+    "small_m_products": small_m_products.main,
     # TTFT and prefill tokens saved, 2k-token shared prefix, cache on vs off.
     "prefix_cache": prefix_cache.main,
     # Async vs sync scheduling: ms per token, host time on the critical path, device idle.
