@@ -66,7 +66,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-draft-tokens", type=int, default=4)
     spec.add_argument("--draft-model", default=None, help="draft checkpoint (draft_model)")
     spec.add_argument("--prompt-lookup-max", type=int, default=3)
-    spec.add_argument("--prompt-lookup-min", type=int, default=1)
+    spec.add_argument("--prompt-lookup-min", type=int, default=2)
     hosts = p.add_argument_group(
         "several processes (hosts): one mesh over all their devices; run the same command on "
         "each, with its own --process-id (or set KIMI_COORDINATOR_ADDRESS, KIMI_NUM_PROCESSES, "
