@@ -1,28 +1,83 @@
 """N-gram (prompt lookup) drafter: model-free, on the host.
 
-Find the most recent earlier occurrence of the request's last n tokens (n from `max_n` down to
-`min_n`) in its own tokens, and propose the tokens that followed it. Repetitive text (code,
-quoted context, lists) accepts many drafts; elsewhere it usually proposes nothing, which costs
-nothing: the step then verifies a window of one.
+Find every earlier occurrence of the request's last n tokens (the longest n in
+[`min_n`, `max_n`] that occurs), and draft what followed them, one token at a time: the token
+that most of the occurrences still in agreement continue with (ties: the most recent), then
+only the occurrences that continued that way go on voting. One occurrence drafts exactly what
+followed it. Voting rather than copying the latest match is what suffix-tree drafting does:
+on held-out code the built-in model's greedy continuations loop, and the most frequent
+continuation of a loop is the one it takes again (benchmarks/RESULTS.md, "n-gram by vote").
+Repetitive text (code, quoted context, lists) accepts many drafts; elsewhere it usually
+proposes nothing, which costs nothing: the step is then a plain decode step.
 """
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
+
 from serving.speculative.drafter import Drafter
 
 
-def ngram_lookup(tokens: list[int], max_drafts: int, max_n: int, min_n: int = 1) -> list[int]:
-    """The continuation of the latest earlier match of the longest suffix n-gram, n in
-    [min_n, max_n]; [] when none matches."""
+def _ends(seq: np.ndarray, n: int) -> np.ndarray:
+    """Ascending positions just after each earlier occurrence of seq's last n tokens; each is a
+    valid index (a token followed the occurrence), so the suffix itself never counts."""
+    size = seq.shape[0]
+    hit = np.ones(size - n, bool)
+    for j in range(n):
+        hit &= seq[j : j + size - n] == seq[size - n + j]
+    return np.flatnonzero(hit) + n
+
+
+def _vote(seq: np.ndarray, ends: np.ndarray, max_drafts: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < max_drafts:
+        ends = ends[ends + len(out) < seq.shape[0]]
+        if not ends.size:
+            break
+        nxt = seq[ends + len(out)][::-1]  # most recent first, so ties go to it
+        values, first, counts = np.unique(nxt, return_index=True, return_counts=True)
+        best = max(range(len(values)), key=lambda i: (counts[i], -first[i]))
+        token = values[best]
+        out.append(int(token))
+        ends = ends[nxt[::-1] == token]
+    return out
+
+
+def ngram_lookup(tokens, max_drafts: int, max_n: int, min_n: int = 1) -> list[int]:
+    """Up to `max_drafts` tokens continuing `tokens`, voted by the earlier occurrences of its
+    longest suffix n-gram (n in [min_n, max_n]); [] when none occurs."""
+    seq = np.asarray(tokens, np.int64)
+    for n in range(min(max_n, seq.shape[0] - 1), min_n - 1, -1):
+        ends = _ends(seq, n)
+        if ends.size:
+            return _vote(seq, ends, max_drafts)
+    return []
+
+
+def ngram_lookup_reference(
+    tokens: list[int], max_drafts: int, max_n: int, min_n: int = 1
+) -> list[int]:
+    """`ngram_lookup` written as plain loops over the occurrences (its test reference)."""
     size = len(tokens)
     for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = tokens[size - n :]
-        # Latest match first: recent context predicts best. The match must end before the suffix.
-        for start in range(size - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                follow = tokens[start + n : start + n + max_drafts]
-                if follow:
-                    return follow
+        occurrences = [  # most recent first
+            s + n for s in range(size - n - 1, -1, -1) if tokens[s : s + n] == tokens[size - n :]
+        ]
+        if not occurrences:
+            continue
+        out: list[int] = []
+        while len(out) < max_drafts:
+            occurrences = [e for e in occurrences if e + len(out) < size]
+            votes = collections.Counter(tokens[e + len(out)] for e in occurrences)
+            if not votes:
+                break
+            order = [tokens[e + len(out)] for e in occurrences]
+            token = max(votes, key=lambda t: (votes[t], -order.index(t)))
+            out.append(token)
+            occurrences = [e for e in occurrences if tokens[e + len(out) - 1] == token]
+        return out
     return []
 
 

@@ -24,7 +24,7 @@ from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
 from serving.sampling import SamplingBatch, SamplingParams
-from serving.speculative.ngram import ngram_lookup
+from serving.speculative.ngram import ngram_lookup, ngram_lookup_reference
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.track import (
     TrackPoint,
@@ -570,8 +570,25 @@ def test_track_interval_resolved_on_the_checkpoint_grid():
 def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 3, max_n=3) == [9, 1, 2]
     assert ngram_lookup([1, 2, 3, 4], 2, max_n=2) == []
-    # The latest match wins; shorter n-grams are tried when longer ones miss.
+    # A tie goes to the latest match; shorter n-grams are tried when longer ones miss.
     assert ngram_lookup([5, 1, 7, 5, 1, 8, 0, 1], 2, max_n=2) == [8, 0]
+    # (1, 2) went on with 7 twice and 9 once: 7, then the two occurrences that took it go on
+    # voting (1, 2, then a tie of 7 and 9 that the later one wins), then one is left.
+    assert ngram_lookup([1, 2, 7, 1, 2, 7, 1, 2, 9, 1, 2], 5, max_n=2) == [7, 1, 2, 9, 1]
+    # The draft stops where the voting occurrences run into the end of the tokens.
+    assert ngram_lookup([3, 4, 5, 3, 4, 6, 3, 4], 5, max_n=2) == [6, 3, 4]
+    assert ngram_lookup([1, 2, 3, 1, 2], 4, max_n=3, min_n=3) == []
+
+
+def test_ngram_lookup_equals_its_reference():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        tokens = rng.integers(0, 2 + trial % 5, size=int(rng.integers(0, 40))).tolist()
+        k, max_n = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        min_n = int(rng.integers(1, max_n + 1))
+        assert ngram_lookup(tokens, k, max_n, min_n) == ngram_lookup_reference(
+            tokens, k, max_n, min_n
+        ), (tokens, k, max_n, min_n)
 
 
 @pytest.mark.parametrize(
