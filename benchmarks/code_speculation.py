@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--min-acceptance", type=float, default=None, help="speculative min_acceptance"
-    )
+    p.add_argument("--min-acceptance", type=float, default=None, help="speculative min_acceptance")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")

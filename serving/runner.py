@@ -188,7 +188,9 @@ class ModelRunner:
             start[i] = p.start
             lengths[i] = p.length
         arrays = (slots, table, start, lengths)
-        return b, Batch(*(jnp.asarray(a) for a in arrays))
+        # numpy, not jax arrays: jit takes numpy arguments in its C++ dispatch, where each
+        # jnp.asarray is a Python-level device_put (about 20-80 us apiece, 20 per step).
+        return b, Batch(*arrays)
 
     def _sampling_inputs(self, requests: Sequence[Request | None], b: int, mode: str):
         """SamplingBatch and penalty inputs for rows `requests` (None: a padding or non-sampling
@@ -208,7 +210,7 @@ class ModelRunner:
                 if r is not None:
                     np.add.at(counts[i], np.asarray(r.output_token_ids, np.int64), 1)
                     prompt_mask[i, r.prompt_token_ids] = True
-        return sampling, jnp.asarray(counts), jnp.asarray(prompt_mask)
+        return sampling, counts, prompt_mask
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -249,9 +251,8 @@ class ModelRunner:
             if c.is_first:
                 fresh[i] = p.slot
         if fresh.any():
-            self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh))
+            self.cache = reset_cache_slots(self.cache, fresh)
         has_prefix = any(c.start > 0 for c in chunks)
-        ids = jnp.asarray(ids)
         next_ids = targets(chunks, b, t)
         logits, self.cache = prefill_step(
             self.graphdef,
@@ -266,7 +267,7 @@ class ModelRunner:
             self.drafter.prefill(ids, batch, fresh, has_prefix)
         prompt = ()
         if next_ids is not None:
-            logits, prompt = prompt_logprobs_step(logits, jnp.asarray(next_ids), batch.lengths)
+            logits, prompt = prompt_logprobs_step(logits, next_ids, batch.lengths)
         self._prefill_samples(chunks, b, logits, prompt, result)
 
     def _prefill_samples(self, chunks, b: int, logits, prompt, result: StepResult) -> None:
@@ -314,7 +315,7 @@ class ModelRunner:
             self._ids(requests, ids, prev),
             self.cache,
             batch,
-            jnp.asarray(steps_left),
+            steps_left,
             *self._sampling_inputs(rows, b, mode),
             num_steps=num_steps,
             mode=mode,
@@ -325,7 +326,7 @@ class ModelRunner:
         """The step's input tokens: the host's, or for pending rows `prev`'s picks."""
         pending = [i for i, r in enumerate(requests) if r.num_pending]
         if not pending:
-            return jnp.asarray(host_ids)
+            return host_ids
         if prev is None:
             raise ValueError("pending tokens need the step that sampled them")
         prev_tokens = prev.picked[0]
@@ -335,7 +336,7 @@ class ModelRunner:
         for i in pending:
             j = where[requests[i].request_id]
             src[i] = j * width + prev.output.decode_steps[j] - 1
-        return _next_ids(prev_tokens, jnp.asarray(host_ids), jnp.asarray(src))
+        return _next_ids(prev_tokens, host_ids, src)
 
     def collect(self, flight: InFlight) -> StepResult:
         """Wait for a dispatched decode step's picks (one transfer): each row's samples."""
@@ -372,14 +373,14 @@ class ModelRunner:
         picked, self.cache = verify_step(
             self.graphdef,
             self.params,
-            jnp.asarray(last),
-            jnp.asarray(drafts),
-            jnp.asarray(num),
+            last,
+            drafts,
+            num,
             self.cache,
             batch,
             *self._sampling_inputs(rows, b, mode),
-            jnp.asarray(track_slots),
-            jnp.asarray(track_steps),
+            track_slots,
+            track_steps,
             mode=mode,
             commit_recurrent=self.commit_recurrent,
             track=bool(output.track),
@@ -403,7 +404,7 @@ class ModelRunner:
         (no window, no acceptance, no commit). A drafter with a cache keeps its one step."""
         requests = output.decode
         flight = self.dispatch_decode(output, steps=[1] * len(requests))
-        self.drafter.rollback(batch.slots, jnp.ones(batch.slots.shape, jnp.int32))
+        self.drafter.rollback(batch.slots, np.ones(batch.slots.shape, np.int32))
         result.samples.update(self.collect(flight).samples)
         self.spec_counts["verify_rows"] += len(requests)
         for r in requests:

@@ -217,7 +217,7 @@ class SamplingBatch(NamedTuple):
             seed[i] = s & 0xFFFFFFFF
             step[i] = steps[i]
         arrays = (temperature, top_p, top_k, min_p, rep, pres, freq, seed, step)
-        return cls(*(jnp.asarray(a) for a in arrays))
+        return cls(*arrays)  # numpy: jit takes it without a device_put per array
 
 
 def row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:

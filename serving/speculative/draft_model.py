@@ -3,9 +3,9 @@
 Its caches mirror the target's layout (same page ids, block tables and state slots), so the
 runner drives both with the same batches: the draft prefills each chunk the target prefills,
 proposes k tokens greedily with k + 1 fused decode steps (the extra step consumes d_k, so that
-the state after any accepted length exists), and after the verify rolls its KDA state and conv
-windows back to step `commit_lens - 1`, exactly like the target. Its KV past the accepted length
-is overwritten by the next window.
+the state after any accepted length exists; one step when no row drafts), and after the verify
+rolls its KDA state and conv windows back to step `commit_lens - 1`, exactly like the target.
+Its KV past the accepted length is overwritten by the next window.
 """
 
 from __future__ import annotations
@@ -72,13 +72,22 @@ class DraftModelDrafter(Drafter):
             last[i] = request.all_token_ids[-1]
             num[i] = n
             steps[i] = n + 1
+        if not num.any():
+            # No row drafts (adaptive drafting stopped them, or no room): one plain step keeps
+            # the draft in step with the target; k idle steps more, with their states kept for
+            # a rollback, would cost as much as the target's own step on a small model.
+            _, _, self.cache = decode_steps(
+                self.graphdef, self.params, last, self.cache, batch, steps, num_steps=1
+            )
+            self._per_step = None  # the step is the committed one: nothing to roll back
+            return np.zeros((b, k), np.int32), num
         (tokens, *_), self._per_step, self.cache = decode_steps(
             self.graphdef,
             self.params,
-            jnp.asarray(last),
+            last,
             self.cache,
             batch,
-            jnp.asarray(steps),
+            steps,
             num_steps=k + 1,
             keep_states=True,
         )
