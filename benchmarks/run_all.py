@@ -22,12 +22,14 @@ import decode_profile  # noqa: E402
 import mla_decode  # noqa: E402
 import mla_split  # noqa: E402
 import moe_tiles  # noqa: E402
+import ngram_policy  # noqa: E402
 import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
 import small_m_products  # noqa: E402
 import speculative  # noqa: E402
 import throughput  # noqa: E402
 import verify_commit  # noqa: E402
+import verify_window  # noqa: E402
 from common import serving_heap  # noqa: E402
 
 
@@ -60,6 +62,10 @@ BENCHMARKS = {
     "speculative": speculative.main,
     # The verify's replay vs gather commit: memory at the release's shapes, time here.
     "verify_commit": verify_commit.main,
+    # A verify window's price in plain steps by width, row products vs one product.
+    "verify_window": verify_window.main,
+    # n-gram policies (latest match vs vote) replayed over the built-in model's continuations.
+    "ngram_policy": ngram_policy.main,
     # ms per token with 3 vs 97 state slots, 64 vs 4,096 latent pages (a pool must not cost
     # per step).
     "pool_size": pool_size.main,

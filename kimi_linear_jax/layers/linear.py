@@ -9,6 +9,8 @@ row-parallel: a partial sum that the block all-reduces).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +64,29 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        x = x.astype(w.dtype)
+        if row_products(x, w):
+            rows = x.reshape(-1, x.shape[-1])
+            out = jax.lax.map(lambda row: w @ row, rows)
+            return out.reshape(*x.shape[:-1], w.shape[0])
+        return jnp.einsum("...i,oi->...o", x, w)
+
+
+# XLA:CPU hands a product of two or more rows to YNNPACK, whose fixed cost per call (0.05 to
+# 0.1 ms on the 2-core development machine) is larger than the product itself for a small
+# matrix; a matrix-vector product per row does not pay it while the matrix stays in cache.
+# A verify window of 2 to 5 rows of the built-in model costs 1.24-1.46 plain steps this way
+# instead of 1.48-1.70 (benchmarks/RESULTS.md, "row products"); from about 6 rows on, and for
+# matrices the cache does not hold, one product is faster.
+ROW_PRODUCTS_UP_TO = 5
+ROW_PRODUCT_MAX_BYTES = 2 << 20
+
+
+def row_products(x: jax.Array, w: jax.Array) -> bool:
+    """Whether `Linear` computes x @ w.T one row at a time (see ROW_PRODUCTS_UP_TO)."""
+    rows = math.prod(x.shape[:-1])
+    small = w.size * w.dtype.itemsize <= ROW_PRODUCT_MAX_BYTES
+    return 2 <= rows <= ROW_PRODUCTS_UP_TO and small and jax.default_backend() == "cpu"
 
 
 class Embed(nnx.Module):

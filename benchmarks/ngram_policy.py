@@ -1,0 +1,136 @@
+"""How n-gram drafting policies would do on the built-in model's own greedy continuations of
+held-out code, without timing anything: the policy alone decides how many drafting windows a
+request needs and how many tokens each one gains.
+
+Two prompt sets from the held-out standard-library files (`data.json`): "start", the first
+`--prompt-len` tokens of each file long enough (the prompts of `code_speculation.py`), and
+"mid", windows of the same length every 512 tokens from token 256 on (unseen by every tuning
+here, a check against fitting the policy to six prompts). The built-in model continues each
+greedily for `--max-tokens` tokens (plain decoding, batched). Then each policy is replayed
+over those continuations as the engine would run it with `min_acceptance` 0: at each step it
+proposes up to k tokens from the tokens so far, the longest prefix equal to the continuation
+is accepted, and the step gains that plus one token.
+
+Policies: "latest", the continuation of the latest earlier match of the longest suffix n-gram
+(the drafter before the vote, restated here as the baseline), and "vote"
+(`serving.speculative.ngram.ngram_lookup`). Columns: windows with drafts per 100 tokens,
+tokens gained per drafting window, acceptance (accepted / proposed), steps per 100 tokens (a
+plain step for each token no window covers), and the speed-up bound `cost`-weighted:
+tokens / (plain steps + windows x `--window-cost`), where `--window-cost` is a verify
+window's price in plain steps (1.5-1.7 on the 2-core CPU for k = 4, `RESULTS.md`).
+
+Run: ``python benchmarks/ngram_policy.py [--k 4,8] [--window-cost 1.65]`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import print_table, write_json  # noqa: E402
+
+from kimi_linear_jax import corpus  # noqa: E402
+from kimi_linear_jax.checkpoint import BUILTIN_MODEL  # noqa: E402
+from serving.engine import LLM  # noqa: E402
+from serving.sampling import SamplingParams  # noqa: E402
+from serving.speculative.ngram import ngram_lookup  # noqa: E402
+
+
+def latest_match(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The baseline: what followed the latest earlier match of the longest suffix n-gram."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[size - n :]:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+POLICIES = {"latest": latest_match, "vote": ngram_lookup}
+
+
+def prompt_sets(tokenizer, prompt_len: int, need: int) -> dict[str, list[list[int]]]:
+    split = json.load(open(os.path.join(BUILTIN_MODEL, "data.json")))
+    sets: dict[str, list[list[int]]] = {"start": [], "mid": []}
+    for name in split["held_out"]:
+        path = corpus.stdlib_dir() / name
+        if not path.is_file():
+            continue
+        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        if len(ids) >= prompt_len + need:
+            sets["start"].append(ids[:prompt_len])
+        for off in range(256, len(ids) - prompt_len - need, 512):
+            sets["mid"].append(ids[off : off + prompt_len])
+    return sets
+
+
+def replay(policy, prompt: list[int], out: list[int], k: int, max_n: int, min_n: int) -> dict:
+    """Windows, drafts and accepted drafts over one continuation; the first token comes from
+    the prefill, as in the engine."""
+    seq, pos, end = prompt + out, len(prompt) + 1, len(prompt) + len(out)
+    stats = {"tokens": 0, "windows": 0, "plain": 0, "drafts": 0, "accepted": 0}
+    while pos < end:
+        drafts = policy(seq[:pos], k, max_n, min_n)
+        accepted = 0
+        for draft, truth in zip(drafts, seq[pos:end]):
+            if draft != truth:
+                break
+            accepted += 1
+        gain = min(accepted + 1, end - pos)
+        pos += gain
+        stats["tokens"] += gain
+        stats["windows" if drafts else "plain"] += 1
+        stats["drafts"] += len(drafts)
+        stats["accepted"] += accepted
+    return stats
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", default="4,8")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-n", type=int, default=3)
+    p.add_argument("--min-n", type=int, default=2)
+    p.add_argument("--window-cost", type=float, default=1.65)
+    a = p.parse_args(argv)
+    llm = LLM(max_num_seqs=8, num_pages=512, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    rows = []
+    for set_name, prompts in prompt_sets(llm.tokenizer, a.prompt_len, a.max_tokens).items():
+        outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        for k in (int(x) for x in a.k.split(",")):
+            for name, policy in POLICIES.items():
+                total = {"tokens": 0, "windows": 0, "plain": 0, "drafts": 0, "accepted": 0}
+                for prompt, out in zip(prompts, outs, strict=True):
+                    for key, value in replay(policy, prompt, out, k, a.max_n, a.min_n).items():
+                        total[key] += value
+                t = total["tokens"]
+                steps = total["plain"] + total["windows"]
+                rows.append(
+                    {
+                        "prompts": f"{set_name} ({len(prompts)})",
+                        "k": k,
+                        "policy": name,
+                        "windows_per_100": 100 * total["windows"] / t,
+                        "tokens_per_window": (t - total["plain"]) / max(total["windows"], 1),
+                        "acceptance": total["accepted"] / max(total["drafts"], 1),
+                        "steps_per_100": 100 * steps / t,
+                        "bound": t / (total["plain"] + a.window_cost * total["windows"]),
+                    }
+                )
+    cols = ["prompts", "k", "policy", "windows_per_100", "tokens_per_window", "acceptance"]
+    print_table(rows, [*cols, "steps_per_100", "bound"])
+    meta = {k: getattr(a, k) for k in ("prompt_len", "max_tokens", "max_n", "min_n", "window_cost")}
+    print("wrote", write_json("ngram_policy", rows, meta))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""What a verify window costs in plain decode steps, by width, on the built-in model at batch 1,
+with `Linear`'s products of a few rows done one row at a time (`ROW_PRODUCTS_UP_TO`, the
+default) and as one product (the limit set to 0), same run.
+
+An n-gram engine (k = 8, always drafting) continues a held-out prompt; the last verify call's
+arguments and the last decode call's are captured, then each compiled call (decode, windows of
+2, 3, 5 and 9 tokens) is timed until its results are ready, the cache fed back from call to
+call. The two product settings take turns in `--rounds` rounds (each recompiles: the setting is
+read when a step is traced); per call, the median. "steps" = the call's time over the plain
+decode step's time in the same setting.
+
+Run: ``python benchmarks/verify_window.py [--rounds 4] [--calls 25]`` (about a minute and a
+half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from code_speculation import prompts_from_held_out  # noqa: E402
+from common import print_table, serving_heap, write_json  # noqa: E402
+
+import serving.runner as runner_mod  # noqa: E402
+from kimi_linear_jax.layers import linear  # noqa: E402
+from serving.engine import LLM  # noqa: E402
+from serving.sampling import SamplingParams  # noqa: E402
+
+WIDTHS = (2, 3, 5, 9)
+
+
+def capture(llm: LLM, prompt: list[int]) -> dict:
+    """The runner's last decode call and last full-width verify call (args, kwargs)."""
+    captured, real_v, real_d = {}, runner_mod.verify_step, runner_mod.decode_steps
+
+    def verify(*args, **kwargs):
+        if args[3].shape[1] == max(WIDTHS) - 1:
+            captured["verify"] = (args, kwargs)
+        return real_v(*args, **kwargs)
+
+    def decode(*args, **kwargs):
+        captured["decode"] = (args, kwargs)
+        return real_d(*args, **kwargs)
+
+    runner_mod.verify_step, runner_mod.decode_steps = verify, decode
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        runner_mod.verify_step, runner_mod.decode_steps = real_v, real_d
+    return captured
+
+
+def calls(captured: dict) -> dict:
+    """name -> (function, args, kwargs, index of the cache argument)."""
+    (va, vk), (da, dk) = captured["verify"], captured["decode"]
+    out = {"decode": (runner_mod.decode_steps, list(da), dk, 3)}
+    for w in WIDTHS:
+        args = list(va)
+        args[3] = np.asarray(va[3])[:, : w - 1]
+        args[4] = np.minimum(np.asarray(va[4]), w - 1)
+        out[f"window {w}"] = (runner_mod.verify_step, args, vk, 5)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--calls", type=int, default=25)
+    a = p.parse_args(argv)
+    serving_heap()
+    spec = {"method": "ngram", "num_draft_tokens": max(WIDTHS) - 1, "min_acceptance": 0.0}
+    llm = LLM(speculative=spec, max_num_seqs=1, num_pages=64, dtype="float32")
+    (prompt,) = prompts_from_held_out(llm.tokenizer, 128, 128, 1)
+    todo = calls(capture(llm, prompt))
+    cache = [llm.runner.cache]
+
+    def once(fn, args, kwargs, at) -> float:
+        args = list(args)
+        args[at] = cache[0]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        cache[0] = out[-1]
+        return time.perf_counter() - t0
+
+    settings = {"one product": 0, "rows": linear.ROW_PRODUCTS_UP_TO}
+    times = {(name, s): [] for name in todo for s in settings}
+    try:
+        for _ in range(a.rounds):
+            for s, limit in settings.items():
+                linear.ROW_PRODUCTS_UP_TO = limit
+                jax.clear_caches()
+                for call in todo.values():
+                    for _ in range(3):  # compile, warm
+                        once(*call)
+                for _ in range(a.calls):
+                    for name, call in todo.items():
+                        times[(name, s)].append(once(*call))
+    finally:
+        linear.ROW_PRODUCTS_UP_TO = settings["rows"]
+    med = {key: statistics.median(v) for key, v in times.items()}
+    rows = []
+    for name in todo:
+        one, by_row = med[(name, "one product")], med[(name, "rows")]
+        rows.append(
+            {
+                "call": name,
+                "one_product_ms": 1e3 * one,
+                "one_product_steps": one / med[("decode", "one product")],
+                "rows_ms": 1e3 * by_row,
+                "rows_steps": by_row / med[("decode", "rows")],
+                "rows_vs_one": by_row / one,
+            }
+        )
+    print_table(rows, list(rows[0]))
+    meta = {"rounds": a.rounds, "calls": a.calls, "row_products_up_to": settings["rows"]}
+    print("wrote", write_json("verify_window", rows, meta))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
