@@ -9,6 +9,11 @@ call. The two product settings take turns in `--rounds` rounds (each recompiles:
 read when a step is traced); per call, the median. "steps" = the call's time over the plain
 decode step's time in the same setting.
 
+A second table (row products on) times the calls as a speculative engine runs them: a decode
+step and a window taking turns, against each call repeated back to back. Taking turns makes
+both slower here (the other program's buffers push this one's weights out of the caches), so
+the price of a window in an engine is above the back-to-back figure.
+
 Run: ``python benchmarks/verify_window.py [--rounds 4] [--calls 25]`` (about a minute and a
 half).
 """
@@ -16,6 +21,7 @@ half).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -120,9 +126,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
             }
         )
     print_table(rows, list(rows[0]))
+    turns = alternating(todo, once, a.rounds, a.calls)
+    print_table(turns, list(turns[0]))
     meta = {"rounds": a.rounds, "calls": a.calls, "row_products_up_to": settings["rows"]}
-    print("wrote", write_json("verify_window", rows, meta))
-    return rows
+    print("wrote", write_json("verify_window", rows + turns, meta))
+    return rows + turns
+
+
+def alternating(todo: dict, once, rounds: int, calls: int) -> list[dict]:
+    """Median ms of decode and of windows 5 and 9, back to back and taking turns."""
+    jax.clear_caches()
+    for call in todo.values():
+        for _ in range(3):
+            once(*call)
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name in ("decode", "window 5", "window 9"):
+            times[("back to back", name)] += [once(*todo[name]) for _ in range(calls)]
+        for window in ("window 5", "window 9"):
+            for _ in range(calls):
+                for name in ("decode", window):
+                    times[(f"decode / {window}", name)].append(once(*todo[name]))
+    alone = {
+        name: statistics.median(times[("back to back", name)])
+        for name in todo
+        if ("back to back", name) in times
+    }
+    out = []
+    for (order, name), t in times.items():
+        ms = statistics.median(t)
+        out.append(
+            {"order": order, "call": name, "ms": 1e3 * ms, "vs_back_to_back": ms / alone[name]}
+        )
+    return out
 
 
 if __name__ == "__main__":
