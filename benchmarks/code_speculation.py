@@ -33,16 +33,16 @@ from serving.sampling import SamplingParams  # noqa: E402
 SPEC_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "steps")
 
 
-def prompts_from_held_out(tokenizer, prompt_len: int, need: int, limit: int) -> list[list[int]]:
+def held_out_ids(tokenizer) -> list[list[int]]:
+    """The token ids of each held-out file the built-in model's `data.json` lists (files
+    missing from this interpreter's standard library are skipped)."""
     split = json.load(open(os.path.join(BUILTIN_MODEL, "data.json")))
-    out = []
-    for name in split["held_out"]:
-        path = corpus.stdlib_dir() / name
-        if not path.is_file():
-            continue
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-        if len(ids) >= prompt_len + need:
-            out.append(ids[:prompt_len])
+    paths = (corpus.stdlib_dir() / name for name in split["held_out"])
+    return [tokenizer.encode(p.read_text(encoding="utf-8")) for p in paths if p.is_file()]
+
+
+def prompts_from_held_out(tokenizer, prompt_len: int, need: int, limit: int) -> list[list[int]]:
+    out = [ids[:prompt_len] for ids in held_out_ids(tokenizer) if len(ids) >= prompt_len + need]
     return out[:limit]
 
 

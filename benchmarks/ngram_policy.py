@@ -25,16 +25,14 @@ Run: ``python benchmarks/ngram_policy.py [--k 4,8] [--window-cost 1.65]`` (about
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from code_speculation import held_out_ids  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
-from kimi_linear_jax import corpus  # noqa: E402
-from kimi_linear_jax.checkpoint import BUILTIN_MODEL  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.speculative.ngram import ngram_lookup  # noqa: E402
@@ -56,13 +54,8 @@ POLICIES = {"latest": latest_match, "vote": ngram_lookup}
 
 
 def prompt_sets(tokenizer, prompt_len: int, need: int) -> dict[str, list[list[int]]]:
-    split = json.load(open(os.path.join(BUILTIN_MODEL, "data.json")))
     sets: dict[str, list[list[int]]] = {"start": [], "mid": []}
-    for name in split["held_out"]:
-        path = corpus.stdlib_dir() / name
-        if not path.is_file():
-            continue
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    for ids in held_out_ids(tokenizer):
         if len(ids) >= prompt_len + need:
             sets["start"].append(ids[:prompt_len])
         for off in range(256, len(ids) - prompt_len - need, 512):
