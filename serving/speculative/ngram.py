@@ -82,7 +82,7 @@ def ngram_lookup_reference(
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:  # as SpeculativeConfig
         if not 1 <= min_n <= max_n:
             raise ValueError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}"

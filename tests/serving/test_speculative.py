@@ -171,6 +171,30 @@ def test_draft_model_greedy_equals_plain(model, reference):
     assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
 
 
+def test_draft_model_keeps_in_step_through_draftless_steps(model, reference):
+    """A step in which no row drafts runs one plain draft step: the draft (the target itself
+    here) must still have consumed every token, so each later window accepts all it drafts."""
+    llm = spec_llm(
+        model, speculative={"method": "draft_model", "num_draft_tokens": 3, "model": model}
+    )
+    scheduler = llm.scheduler
+    schedule, max_drafts, steps = scheduler.schedule, scheduler._max_drafts, [0]
+
+    def counted_schedule():
+        steps[0] += 1
+        return schedule()
+
+    def every_other_step(request, room):  # no row drafts in every second step
+        return max_drafts(request, room) if steps[0] % 2 else 0
+
+    scheduler.schedule, scheduler._max_drafts = counted_schedule, every_other_step
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0, m
+    assert m["spec_verify_steps"] > m["spec_draft_tokens"] / 3, m  # draftless steps ran
+    assert_drained(llm)
+
+
 def test_dcp4_greedy_equals_plain(model, reference):
     llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_2"]), dcp_size=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
