@@ -5,7 +5,9 @@ runner drives both with the same batches: the draft prefills each chunk the targ
 proposes k tokens greedily with k + 1 fused decode steps (the extra step consumes d_k, so that
 the state after any accepted length exists; one step when no row drafts), and after the verify
 rolls its KDA state and conv windows back to step `commit_lens - 1`, exactly like the target.
-Its KV past the accepted length is overwritten by the next window.
+Its KV past the accepted length is overwritten by the next window. A draft of attention layers
+only has no state to roll back: it keeps no per-step states and makes no rollback call (a
+compiled call costs about 0.2 ms on a CPU, 7% of the built-in model's step).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DraftModelDrafter(Drafter):
         slots and pages (`layout`: the same ids, pages of the target's allocator page)."""
         self.config = model.config
         self.par = model.par
+        self.has_state = model.has_recurrent_state
         graphdef, self.params = nnx.split(model)
         self.graphdef = HashedGraph(graphdef)
         self._new_cache = lambda: init_cache(
@@ -89,8 +92,10 @@ class DraftModelDrafter(Drafter):
             batch,
             steps,
             num_steps=k + 1,
-            keep_states=True,
+            keep_states=self.has_state,
         )
+        if not self.has_state:
+            self._per_step = None  # KV past the accepted length is overwritten: nothing to undo
         return tokens[:, :k], num
 
     def reset(self) -> None:

@@ -195,6 +195,35 @@ def test_draft_model_keeps_in_step_through_draftless_steps(model, reference):
     assert_drained(llm)
 
 
+ATTENTION_ONLY = dict(num_hidden_layers=2, kda_layers=(), full_attn_layers=(1, 2))
+
+
+def test_attention_only_draft_needs_no_rollback(model, reference, monkeypatch):
+    """A draft of MLA layers alone keeps no per-step states and makes no rollback call: its
+    KV past the accepted length is overwritten by the next window. Itself as its own draft it
+    still accepts every draft, so it stays in step; as the draft of the KDA model (random
+    weights, drafts mostly rejected) the output is still plain decoding's."""
+    import serving.speculative.draft_model as draft_mod
+
+    rollbacks = []
+    real = draft_mod._rollback
+    monkeypatch.setattr(draft_mod, "_rollback", lambda *a: rollbacks.append(1) or real(*a))
+    attn = random_model(preset("tiny", **ATTENTION_ONLY), seed=7)
+    assert not attn.has_recurrent_state
+    plain = [o.token_ids for o in LLM(attn, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    spec = {"method": "draft_model", "num_draft_tokens": 3, "model": attn}
+    same = spec_llm(attn, speculative=spec)
+    assert [o.token_ids for o in same.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain
+    m = same.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0, m
+    llm = spec_llm(model, speculative=spec)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert llm.metrics()["spec_draft_tokens"] > 0
+    assert rollbacks == []
+    assert_drained(same)
+    assert_drained(llm)
+
+
 def test_dcp4_greedy_equals_plain(model, reference):
     llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_2"]), dcp_size=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
