@@ -26,6 +26,7 @@ from kimi_linear_jax.trainer import (  # noqa: F401  (re-exported: train's names
     Trainer,
     merge_params,
     optimizer,
+    split_params,
     tensor_parallel_plan,
     token_nll,
 )
@@ -72,6 +73,21 @@ def export(trainer: Trainer, state: dict, path: Path, dtype=jnp.float32) -> None
     host = jax.device_get(state["params"])
     params = jax.tree.map(lambda p, a: np.asarray(p, a.dtype), host, like)
     save_pretrained(merge_params(graphdef, abstract, params), path)
+
+
+def initial_params(trainer: Trainer, state: dict, init) -> dict:
+    """`init`'s parameters as the train state's (float32, on the state's shardings); its
+    parameter shapes must be the trained model's."""
+    _, params = split_params(init)
+    have = jax.tree.map(np.shape, params)
+    want = jax.tree.map(np.shape, state["params"])
+    if have != want:
+        raise ValueError(
+            "the model to start from has other parameter shapes than the one trained: "
+            f"{have} vs {want}"
+        )
+    params = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
+    return jax.device_put(params, trainer.state_shardings["params"])
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -146,10 +162,15 @@ def train(
     run_steps: int | None = None,
     export_dtype=jnp.float32,
     progress: bool = True,
+    teacher=None,
+    init=None,
 ) -> dict:
     """Train from scratch (or `resume` from `out/checkpoints`) until `max_steps`, `run_steps`
     more steps or the time budget; then save the train state and export the model, tokenizer
-    and `data.json` (the split) to `out`. Returns the last log record."""
+    and `data.json` (the split) to `out`. Returns the last log record. `teacher`: a model of
+    the tokenizer's vocabulary to distill from (`Trainer`), instead of the data's next token.
+    `init`: a model of the same shapes whose parameters a new run starts from (fine-tuning),
+    with a fresh optimizer and schedule."""
     out = Path(out)
     ckpt_dir = out / "checkpoints"
     if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
@@ -163,13 +184,15 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     prepared, tokenizer = prepare_data(data, out, tc, vocab_size)
     config = model_config_for(config, tokenizer)
-    trainer = Trainer(config, tc)
+    trainer = Trainer(config, tc, teacher=teacher)
     if resume:
         state = restore_state(ckpt_dir, trainer.abstract_state())
         if state is None:
             raise FileNotFoundError(f"--resume: no train state under {ckpt_dir}")
     else:
         state = trainer.init_state()
+        if init is not None:
+            state["params"] = initial_params(trainer, state, init)
     (out / "data.json").write_text(
         json.dumps(
             {

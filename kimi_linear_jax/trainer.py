@@ -2,6 +2,12 @@
 train state, gradient accumulation, data or tensor parallelism, held-out evaluation. The run
 around it (data, checkpoints, export, log, loop) is `train.py`.
 
+Distillation: given a teacher (a model of the same vocabulary), the loss is instead the
+teacher-to-student KL divergence of the next-token distributions at every position
+(`distill_kl`), the teacher run forward inside the same jitted step. A draft model trained so
+learns the target's choices rather than the data's: what speculative decoding accepts. The
+held-out evaluation still measures the data's cross-entropy.
+
 Devices: tensor_parallel_size 1 splits the batch over the local devices (a 1-D mesh ("data",),
 parameters replicated). tensor_parallel_size tp > 1 builds the model for its own TP plan
 (`parallel.mesh.make_parallel(config, tp, 1)`): parameters and optimizer state sharded by the
@@ -107,6 +113,14 @@ def token_nll(model: KimiLinearForCausalLM, tokens: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
+def distill_kl(student_logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
+    """KL(teacher || student) per position [..., V] -> [...], in float32; no gradient flows
+    into the teacher."""
+    t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
+    s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
+
+
 def tensor_parallel_plan(config: KimiLinearConfig, tp: int, devices=None) -> Parallel:
     """The model's TP plan over exactly `tp` devices (the first `tp` local ones by default).
     Its mesh has no data axis and its shard_map takes the batch replicated, so more devices
@@ -121,13 +135,31 @@ def tensor_parallel_plan(config: KimiLinearConfig, tp: int, devices=None) -> Par
     return make_parallel(config, tp, 1, devices=devices)
 
 
+def _shapes_of(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _check_teacher(teacher, config: KimiLinearConfig, tp: int) -> None:
+    if tp > 1:
+        raise ValueError("distillation trains with tensor_parallel_size 1 (teacher replicated)")
+    if teacher.config.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"the teacher's vocabulary ({teacher.config.vocab_size} ids) differs from the "
+            f"student's ({config.vocab_size}): distillation compares distributions over ids"
+        )
+
+
 class Trainer:
     """Builds the jitted train / eval steps for one model shape, optimizer and device plan:
     data parallel over `devices` (tensor_parallel_size 1), or the model's TP plan."""
 
-    def __init__(self, config: KimiLinearConfig, tc: TrainConfig, devices=None) -> None:
+    def __init__(
+        self, config: KimiLinearConfig, tc: TrainConfig, devices=None, teacher=None
+    ) -> None:
         self.config, self.tc = config, tc
         tp = tc.tensor_parallel_size
+        if teacher is not None:
+            _check_teacher(teacher, config, tp)
         if tp > 1:
             self.par = tensor_parallel_plan(config, tp, devices)
             tc.validate(1)
@@ -153,10 +185,17 @@ class Trainer:
         self._step = jax.jit(
             self._train_step,
             donate_argnums=0,
-            in_shardings=(self.state_shardings, self.batch_sharding),
+            in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
             out_shardings=(self.state_shardings, self.replicated),
         )
         self._eval = jax.jit(self._eval_sum)
+        # The teacher's parameters go in as an argument (replicated, never donated); its
+        # graph is static.
+        self.teacher_graph, self.teacher_params = None, None
+        if teacher is not None:
+            graph, state = nnx.split(teacher, nnx.Param)
+            self.teacher_graph = (graph, _shapes_of(state))
+            self.teacher_params = jax.device_put(nnx.to_pure_dict(state), self.replicated)
 
     # ---- state ------------------------------------------------------------------------------
     def _init(self) -> dict:
@@ -204,16 +243,20 @@ class Trainer:
         return merge_params(self.graphdef, self.abstract, state["params"])
 
     # ---- steps ------------------------------------------------------------------------------
-    def _loss(self, params, tokens):
-        return jnp.mean(token_nll(merge_params(self.graphdef, self.abstract, params), tokens))
+    def _loss(self, params, tokens, teacher_params):
+        model = merge_params(self.graphdef, self.abstract, params)
+        if teacher_params is None:
+            return jnp.mean(token_nll(model, tokens))
+        teacher = merge_params(*self.teacher_graph, teacher_params)
+        return jnp.mean(distill_kl(model(tokens[:, :-1]), teacher(tokens[:, :-1])))
 
-    def _train_step(self, state, batch):
+    def _train_step(self, state, batch, teacher_params):
         """batch [accum, B, T+1]: gradients averaged over the micro-batches by a scan (one
         micro-batch's activations alive at a time), then one optimizer update."""
         grad_fn = jax.value_and_grad(self._loss)
 
         def micro(acc, tokens):
-            loss, grads = grad_fn(state["params"], tokens)
+            loss, grads = grad_fn(state["params"], tokens, teacher_params)
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
@@ -235,7 +278,7 @@ class Trainer:
 
     def step(self, state: dict, batch: np.ndarray) -> tuple[dict, dict]:
         batch = jax.device_put(batch, self.batch_sharding)
-        return self._step(state, batch)
+        return self._step(state, batch, self.teacher_params)
 
     def evaluate(self, state: dict, sequences: np.ndarray, nbytes: np.ndarray) -> dict:
         """Held-out loss (nats per token) and bits per byte over `sequences`."""

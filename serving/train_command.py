@@ -42,6 +42,17 @@ def add_train_parser(sub) -> None:
         help="shard the model over N devices by its TP rules (N devices, no data parallelism); "
         "1: split the batch over every local device",
     )
+    t.add_argument(
+        "--distill-from",
+        metavar="PATH",
+        help="a checkpoint of the same vocabulary: train on the KL divergence to its "
+        "next-token distributions (a draft model for it) instead of the data's next token",
+    )
+    t.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="start a new run from this checkpoint's weights (its shapes must be the config's)",
+    )
     t.add_argument("--resume", action="store_true", help="continue from --out/checkpoints")
     t.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     t.set_defaults(func=cmd_train)
@@ -73,9 +84,13 @@ def train_config(args):
 def cmd_train(args) -> int:
     import jax.numpy as jnp
 
+    from kimi_linear_jax import load_pretrained
     from kimi_linear_jax.config import KimiLinearConfig
     from kimi_linear_jax.presets import preset
     from kimi_linear_jax.train import train
+
+    def model_at(path):  # a teacher or a starting point, in float32
+        return load_pretrained(path, dtype="float32") if path else None
 
     config = preset(args.preset) if args.preset else KimiLinearConfig.from_json_file(args.config)
     tc = train_config(args)
@@ -89,6 +104,10 @@ def cmd_train(args) -> int:
         run_steps=args.run_steps,
         export_dtype=jnp.dtype(args.export_dtype),
         progress=not args.no_progress,
+        teacher=model_at(args.distill_from),
+        init=model_at(args.init_from),
     )
-    print(json.dumps({"out": args.out, **record, "train_config": dataclasses.asdict(tc)}))
+    run = {"train_config": dataclasses.asdict(tc), "distill_from": args.distill_from}
+    run["init_from"] = args.init_from
+    print(json.dumps({"out": args.out, **record, **run}))
     return 0

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from kimi_linear_jax import corpus, load_pretrained
 from kimi_linear_jax.model import forward
 from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.train import (
     TrainConfig,
     Trainer,
@@ -27,6 +28,7 @@ from kimi_linear_jax.train import (
     prepare_data,
     train,
 )
+from kimi_linear_jax.trainer import distill_kl
 from serving.cli import build_parser
 from serving.cli import main as cli_main
 from serving.train_command import train_config
@@ -192,6 +194,69 @@ def test_bad_tensor_parallel_plans_fail_clearly(data_file, tmp_path):
     tp2 = dataclasses.replace(TC, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="exactly 2 devices .no data parallelism"):
         Trainer(preset("tiny"), tp2, devices=jax.devices()[:8])
+
+
+def test_distill_kl_is_the_kl_divergence():
+    rng = np.random.default_rng(0)
+    s, t = rng.standard_normal((2, 3, 7)), rng.standard_normal((2, 3, 7))
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(t), softmax(s)
+    want = np.sum(p * (np.log(p) - np.log(q)), axis=-1)
+    np.testing.assert_allclose(distill_kl(jnp.asarray(s), jnp.asarray(t)), want, rtol=1e-5)
+    np.testing.assert_allclose(distill_kl(jnp.asarray(t), jnp.asarray(t)), 0, atol=1e-6)
+    grad_t = jax.grad(lambda t: distill_kl(jnp.asarray(s), t).sum())(jnp.asarray(t))
+    np.testing.assert_array_equal(grad_t, 0)  # the teacher is a constant
+
+
+def test_distillation_loss_is_the_kl_to_the_teacher_and_falls(data_file, tmp_path):
+    """With a teacher the step's loss is the mean KL of the student's next-token distributions
+    to the teacher's (checked against both models run outside the step), and training on it
+    pulls the student towards the teacher."""
+    tc = dataclasses.replace(TC, learning_rate=1e-2)
+    prepared, tok = prepare_data(data_file, tmp_path, tc, vocab_size=300)
+    config = model_config_for(preset("tiny"), tok)
+    teacher = random_model(config, seed=3)
+    trainer = Trainer(config, tc, devices=jax.devices()[:1], teacher=teacher)
+    state, losses = trainer.init_state(), []
+    first = prepared.train.take(0, tc.batch_size)
+    x = jnp.asarray(first[:, :-1])
+    want = float(jnp.mean(distill_kl(trainer.model(state)(x), teacher(x))))
+    for i in range(8):
+        batch = prepared.train.take(i * tc.batch_size, tc.batch_size)
+        state, metrics = trainer.step(state, batch.reshape(1, tc.batch_size, -1))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[0], want, rtol=1e-4)
+    after = float(jnp.mean(distill_kl(trainer.model(state)(x), teacher(x))))
+    assert after < 0.7 * want and np.mean(losses[-2:]) < 0.7 * losses[0], (want, after, losses)
+
+
+def test_distillation_needs_the_same_vocabulary_and_one_device_plan():
+    teacher = random_model(preset("tiny", vocab_size=256))
+    with pytest.raises(ValueError, match=r"teacher's vocabulary \(256 ids\) differs"):
+        Trainer(preset("tiny"), TC, teacher=teacher)
+    tp2 = dataclasses.replace(TC, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="distillation trains with tensor_parallel_size 1"):
+        Trainer(preset("tiny"), tp2, teacher=random_model(preset("tiny")))
+
+
+def test_a_new_run_can_start_from_a_models_weights(data_file, tmp_path):
+    """`init`: the run starts from the given weights. Its first step has learning rate 0
+    (warmup), so a one-step run exports them unchanged; other shapes are refused."""
+    _, tok = prepare_data(data_file, tmp_path / "tok", TC, vocab_size=300)
+    start = random_model(model_config_for(preset("tiny"), tok), seed=4)
+    _run(tmp_path / "run", data_file, tc=dataclasses.replace(TC, max_steps=1), init=start)
+    got = load_pretrained(tmp_path / "run", dtype="float32")
+    want = nnx.to_pure_dict(nnx.state(start, nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(got, nnx.Param))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    wide = random_model(model_config_for(preset("tiny", hidden_size=32), tok))
+    with pytest.raises(ValueError, match="other parameter shapes than the one trained"):
+        _run(tmp_path / "bad", data_file, init=wide)
 
 
 def test_cli_tensor_parallel_flag():
