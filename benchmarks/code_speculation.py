@@ -68,16 +68,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-acceptance", type=float, default=None, help="speculative min_acceptance")
+    p.add_argument("--draft-model", help="a draft checkpoint to use instead of the built-in one")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
     knobs = {"num_draft_tokens": a.k}
     if a.min_acceptance is not None:
         knobs["min_acceptance"] = a.min_acceptance
+    draft = {"model": a.draft_model} if a.draft_model else {}
     configs = {
         "plain": LLM(**shapes),
         "ngram": LLM(speculative={"method": "ngram", **knobs}, **shapes),
-        "draft": LLM(speculative={"method": "draft_model", **knobs}, **shapes),
+        "draft": LLM(speculative={"method": "draft_model", **knobs, **draft}, **shapes),
     }
     prompts = prompts_from_held_out(
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     meta = {"prompts": len(prompts), "prompt_len": a.prompt_len, "max_tokens": n, "B": 1}
     meta["min_acceptance"] = a.min_acceptance
+    meta["draft_model"] = a.draft_model or "built-in"
     print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta))
     return rows
 

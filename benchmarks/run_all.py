@@ -19,6 +19,7 @@ import async_scheduling  # noqa: E402
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import decode_profile  # noqa: E402
+import draft_cost  # noqa: E402
 import mla_decode  # noqa: E402
 import mla_split  # noqa: E402
 import moe_tiles  # noqa: E402
@@ -64,6 +65,8 @@ BENCHMARKS = {
     "verify_commit": verify_commit.main,
     # A verify window's price in plain steps by width, row products vs one product.
     "verify_window": verify_window.main,
+    # A draft-model window's price in plain steps: the shipped draft vs other shapes.
+    "draft_cost": draft_cost.main,
     # n-gram policies (latest match vs vote) replayed over the built-in model's continuations.
     "ngram_policy": ngram_policy.main,
     # ms per token with 3 vs 97 state slots, 64 vs 4,096 latent pages (a pool must not cost

@@ -109,11 +109,18 @@ def _pycode() -> KimiLinearConfig:
 
 
 def _pycode_draft() -> KimiLinearConfig:
-    # The built-in draft model (about 2M parameters): `pycode`'s vocabulary at half the width.
+    # The built-in draft model (about 1.6M parameters): `pycode`'s vocabulary, two MLA layers
+    # with dense MLPs at half the width. No KDA layer, so nothing to roll back after a verify,
+    # and few ops: on a CPU a step is mostly a fixed cost per op, and this one costs a third
+    # of the 4-layer KDA + MoE draft's (benchmarks/draft_cost.py).
     return dataclasses.replace(
         _pycode(),
         hidden_size=128,
         intermediate_size=512,
+        num_hidden_layers=2,
+        kda_layers=(),
+        full_attn_layers=(1, 2),
+        first_k_dense_replace=2,
         linear_num_heads=2,
         num_attention_heads=2,
         kv_lora_rank=64,
