@@ -20,6 +20,7 @@ import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
 import decode_profile  # noqa: E402
 import draft_cost  # noqa: E402
+import flat_params  # noqa: E402
 import mla_decode  # noqa: E402
 import mla_split  # noqa: E402
 import moe_tiles  # noqa: E402
@@ -67,6 +68,8 @@ BENCHMARKS = {
     "verify_window": verify_window.main,
     # A draft-model window's price in plain steps: the shipped draft vs other shapes.
     "draft_cost": draft_cost.main,
+    # Serving steps taking the parameters as a flat list vs an nnx State (per-call flatten).
+    "flat_params": flat_params.main,
     # n-gram policies (latest match vs vote) replayed over the built-in model's continuations.
     "ngram_policy": ngram_policy.main,
     # ms per token with 3 vs 97 state slots, 64 vs 4,096 latent pages (a pool must not cost

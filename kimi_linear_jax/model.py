@@ -261,18 +261,21 @@ class HashedGraph:
     Equal graphdefs share one HashedGraph (interned on construction). jit finds its cache
     entry by hash, then compares keys by identity and else with ==, and == on graphdefs walks
     the whole graph: two engines over one model (a baseline and a speculative engine in one
-    benchmark) paid 1.6 ms per step for it, on a 17 ms step."""
+    benchmark) paid 1.6 ms per step for it, on a 17 ms step.
+
+    `treedef` (optional): the structure of the model's state, so that the steps can take the
+    state as a flat list of arrays (`split_flat`)."""
 
     _interned: dict[int, list[weakref.ref]] = {}
 
-    def __new__(cls, graphdef):
+    def __new__(cls, graphdef, treedef=None):
         key = hash(graphdef)
         alive = [ref for ref in cls._interned.get(key, []) if ref() is not None]
         for ref in alive:
-            if ref().graphdef == graphdef:
+            if _same_tree(ref().treedef, treedef) and ref().graphdef == graphdef:
                 return ref()
         self = super().__new__(cls)
-        self.graphdef, self._hash = graphdef, key
+        self.graphdef, self.treedef, self._hash = graphdef, treedef, key
         cls._interned[key] = [*alive, weakref.ref(self)]
         return self
 
@@ -281,12 +284,33 @@ class HashedGraph:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, HashedGraph) and (
-            self is other or (self._hash == other._hash and self.graphdef == other.graphdef)
+            self is other
+            or (
+                self._hash == other._hash
+                and _same_tree(self.treedef, other.treedef)
+                and self.graphdef == other.graphdef
+            )
         )
 
 
+def _same_tree(a, b) -> bool:
+    """Equal treedefs, or both None (a PyTreeDef does not compare with None)."""
+    return a is b or (a is not None and b is not None and a == b)
+
+
+def split_flat(model) -> tuple[HashedGraph, list[jax.Array]]:
+    """(graph, state as a flat list of arrays): what the serving steps take. jit flattens a
+    list of arrays in C++, but an nnx State one Variable at a time in Python: 180 us per call
+    for the built-in model's 88 arrays against 30 us for the list, paid on every step."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    return HashedGraph(graphdef, treedef), leaves
+
+
 def merge(graphdef, params):
-    """nnx.merge that also takes a HashedGraph."""
+    """nnx.merge that also takes a HashedGraph, and with it `split_flat`'s list of arrays."""
+    if isinstance(params, list):
+        params = jax.tree.unflatten(graphdef.treedef, params)
     return nnx.merge(getattr(graphdef, "graphdef", graphdef), params)
 
 

@@ -1,8 +1,8 @@
 """Model runner: turns a `SchedulerOutput` into padded device batches, runs the jitted steps and
 samples on device (one device-to-host transfer of the sampled tokens per step call).
 
-The runner owns the parameters (`nnx.split(model)`) and the cache. Every batch is padded to a
-bucket size so that a few compiled shapes serve any step:
+The runner owns the parameters (`split_flat(model)`: the state as a flat list of arrays) and
+the cache. Every batch is padded to a bucket size so that a few compiled shapes serve any step:
 
 - rows to the smallest of `batch_buckets` that holds them (padding rows: slot `NULL_SLOT`, a
   block-table row of `NULL_PAGE`, start 0 and length 0, greedy sampling);
@@ -44,10 +44,9 @@ from collections.abc import Hashable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kimi_linear_jax.cache import Batch, CacheLayout
-from kimi_linear_jax.model import HashedGraph, prefill_step
+from kimi_linear_jax.model import prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.allocator import NULL_PAGE, block_table_row
 from serving.decode import decode_steps, pick_jit
@@ -112,8 +111,7 @@ class ModelRunner:
         self.commit_recurrent = model.has_recurrent_state
         self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
         self.config = model.config
-        graphdef, self.params = nnx.split(model)
-        self.graphdef = HashedGraph(graphdef)
+        self.graphdef, self.params = split_flat(model)
         # The model is built for its mesh (model.par); the caches follow its sharding rules.
         # An allocator page is a virtual page of page_size * dcp tokens (page_size on each
         # DCP rank); the cache holds the virtual page, sharded over its in-page axis.

@@ -17,10 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kimi_linear_jax.cache import CacheLayout
-from kimi_linear_jax.model import HashedGraph, commit_kda, prefill_step
+from kimi_linear_jax.model import commit_kda, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
@@ -40,8 +39,7 @@ class DraftModelDrafter(Drafter):
         self.config = model.config
         self.par = model.par
         self.has_state = model.has_recurrent_state
-        graphdef, self.params = nnx.split(model)
-        self.graphdef = HashedGraph(graphdef)
+        self.graphdef, self.params = split_flat(model)
         self._new_cache = lambda: init_cache(
             self.config,
             model.par,

@@ -17,8 +17,10 @@ from kimi_linear_jax.model import (
     decode_step,
     for_serving,
     forward,
+    merge,
     prefill_step,
     set_kda_impl,
+    split_flat,
 )
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
@@ -180,6 +182,18 @@ def test_for_serving_copy(model):
         _, cache = prefill_step(graphdef, params, ids[:, :N], fresh_cache(cfg, B), batch)
         out.append(np.asarray(decode_step(graphdef, params, ids[:, N:], cache, step)[0]))
     assert_close(out[1], out[0], atol=1e-6, rtol_rms=1e-7, name="decode logits")
+
+
+def test_split_flat_merges_back_to_the_same_model():
+    """The serving steps take the state as a flat list (`split_flat`): merged back it is the
+    model, and its graph (with the state's structure) is interned apart from the bare one."""
+    model = random_model(preset("tiny"), seed=1)
+    graph, leaves = split_flat(model)
+    assert isinstance(leaves, list) and all(isinstance(x, jax.Array) for x in leaves)
+    ids = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(merge(graph, leaves)(ids)), np.asarray(model(ids)))
+    assert split_flat(random_model(preset("tiny"), seed=2))[0] is graph
+    assert HashedGraph(graph.graphdef) is not graph and HashedGraph(graph.graphdef) != graph
 
 
 def test_equal_graphdefs_share_one_hashed_graph():
