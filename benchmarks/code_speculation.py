@@ -60,6 +60,25 @@ def run(llm: LLM, prompt: list[int], n: int) -> dict:
     }
 
 
+def best_runs(engines: dict[str, LLM], prompts, n: int, repeats: int) -> dict[tuple, dict]:
+    """(engine name, prompt index, tokens) -> the fastest of `repeats` runs (`run`) of 1 and
+    of n tokens, after one untimed run of each (compilation); the engines take turns call by
+    call, so that slow spells of the machine hit them alike."""
+    for llm in engines.values():
+        for prompt in prompts:
+            run(llm, prompt, n)
+    best: dict[tuple, dict] = {}
+    for _ in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for name, llm in engines.items():
+                for m in (1, n):
+                    r = run(llm, prompt, m)
+                    key = (name, i, m)
+                    if key not in best or r["wall"] < best[key]["wall"]:
+                        best[key] = r
+    return best
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=4)
@@ -85,18 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
     )
     n = a.max_tokens
-    for llm in configs.values():  # compile every shape the timed runs use
-        for prompt in prompts:
-            run(llm, prompt, n)
-    best: dict[tuple, dict] = {}
-    for _ in range(a.repeats):
-        for i, prompt in enumerate(prompts):
-            for name, llm in configs.items():
-                for m in (1, n):
-                    r = run(llm, prompt, m)
-                    key = (name, i, m)
-                    if key not in best or r["wall"] < best[key]["wall"]:
-                        best[key] = r
+    best = best_runs(configs, prompts, n, a.repeats)
     rows = []
     for name in configs:
         dt = sum(

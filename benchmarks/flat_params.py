@@ -25,7 +25,7 @@ serving_heap()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from code_speculation import prompts_from_held_out, run  # noqa: E402
+from code_speculation import best_runs, prompts_from_held_out  # noqa: E402
 
 from serving.engine import LLM  # noqa: E402
 
@@ -64,19 +64,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         as_state(llms["nnx State"].runner.drafter)
     prompts = prompts_from_held_out(llms["flat list"].tokenizer, 128, a.max_tokens, a.prompts)
     n = a.max_tokens
-    for llm in llms.values():  # compile
-        for prompt in prompts:
-            run(llm, prompt, n)
-    best: dict[tuple, float] = {}
-    for _ in range(a.repeats):
-        for i, prompt in enumerate(prompts):
-            for name, llm in llms.items():
-                for m in (1, n):
-                    wall = run(llm, prompt, m)["wall"]
-                    best[(name, i, m)] = min(best.get((name, i, m), float("inf")), wall)
+    best = best_runs(llms, prompts, n, a.repeats)
     rows = []
     for name, llm in llms.items():
-        dt = sum(best[(name, i, n)] - best[(name, i, 1)] for i in range(len(prompts)))
+        dt = sum(
+            best[(name, i, n)]["wall"] - best[(name, i, 1)]["wall"] for i in range(len(prompts))
+        )
         rows.append(
             {
                 "params": name,
