@@ -107,7 +107,8 @@ def cmd_train(args) -> int:
         teacher=model_at(args.distill_from),
         init=model_at(args.init_from),
     )
-    run = {"train_config": dataclasses.asdict(tc), "distill_from": args.distill_from}
-    run["init_from"] = args.init_from
-    print(json.dumps({"out": args.out, **record, **run}))
+    sources = {"distill_from": args.distill_from, "init_from": args.init_from}
+    print(
+        json.dumps({"out": args.out, **record, "train_config": dataclasses.asdict(tc), **sources})
+    )
     return 0

@@ -90,10 +90,8 @@ class DraftModelDrafter(Drafter):
             batch,
             steps,
             num_steps=k + 1,
-            keep_states=self.has_state,
+            keep_states=self.has_state,  # without: states None, so `rollback` does nothing
         )
-        if not self.has_state:
-            self._per_step = None  # KV past the accepted length is overwritten: nothing to undo
         return tokens[:, :k], num
 
     def reset(self) -> None:
