@@ -1,5 +1,6 @@
 """Speculative decoding on code continuation with the built-in models: plain greedy decoding,
-n-gram (prompt lookup) and the built-in draft model, batch 1, same run, same prompts.
+n-gram (prompt lookup), the built-in draft model, and the draft model with lookup first
+(`prompt_lookup_num_tokens`), batch 1, same run, same prompts.
 
 Prompts: the first `--prompt-len` tokens of each held-out standard-library file the model's
 `data.json` lists (files shorter than prompt + `--max-tokens` tokens are skipped), at most
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-acceptance", type=float, default=None, help="speculative min_acceptance")
     p.add_argument("--draft-model", help="a draft checkpoint to use instead of the built-in one")
+    p.add_argument("--lookup-k", type=int, default=8, help="draft+lookup: lookup drafts")
+    p.add_argument("--lookup-model-k", type=int, default=2, help="draft+lookup: model drafts")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
@@ -95,15 +98,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.min_acceptance is not None:
         knobs["min_acceptance"] = a.min_acceptance
     draft = {"model": a.draft_model} if a.draft_model else {}
+    hybrid = {
+        **knobs,
+        "method": "draft_model",
+        "num_draft_tokens": a.lookup_model_k,
+        "prompt_lookup_num_tokens": a.lookup_k,
+    }
     configs = {
         "plain": LLM(**shapes),
         "ngram": LLM(speculative={"method": "ngram", **knobs}, **shapes),
         "draft": LLM(speculative={"method": "draft_model", **knobs, **draft}, **shapes),
+        "draft+lookup": LLM(speculative={**hybrid, **draft}, **shapes),
     }
     prompts = prompts_from_held_out(
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
     )
     n = a.max_tokens
+    k_of = {"plain": 0, "draft+lookup": f"{a.lookup_model_k} / {a.lookup_k}"}  # else --k
     best = best_runs(configs, prompts, n, a.repeats)
     rows = []
     for name in configs:
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(
             {
                 "config": name,
-                "k": 0 if name == "plain" else a.k,
+                "k": k_of.get(name, a.k),
                 "decode_tok_s": len(prompts) * (n - 1) / dt,
                 "acceptance": accepted / drafts if drafts else float("nan"),
                 "mean_acc_len": (accepted + verifies) / verifies if verifies else 1.0,
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {"prompts": len(prompts), "prompt_len": a.prompt_len, "max_tokens": n, "B": 1}
     meta["min_acceptance"] = a.min_acceptance
     meta["draft_model"] = a.draft_model or "built-in"
+    meta["draft+lookup k"] = f"model {a.lookup_model_k}, lookup {a.lookup_k}"
     print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta))
     return rows
 

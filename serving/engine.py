@@ -160,7 +160,7 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
         draft_model = self._load_draft(dtype) if drafter is None else None
-        k = self.speculative.num_draft_tokens if self.speculative else 0
+        k = self.speculative.window_drafts if self.speculative else 0
         # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
         # a restore or snapshot is one on-device copy (the layout says where each slot is).
         # The pools: num_pages if given, else planned from the device's memory, else fixed.
@@ -387,7 +387,16 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
             return None
         if spec.method == "ngram":
             return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
-        return DraftModelDrafter(draft_model, self.layout)
+        lookup = None
+        if spec.prompt_lookup_num_tokens:
+            lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return DraftModelDrafter(
+            draft_model,
+            self.layout,
+            num_draft_tokens=spec.num_draft_tokens,
+            lookup=lookup,
+            lookup_tokens=spec.prompt_lookup_num_tokens,
+        )
 
     def _pool_line(self) -> str:
         """The start-up log line: the plan, or the fixed pools and why."""

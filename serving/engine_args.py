@@ -67,6 +67,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-model", default=None, help="draft checkpoint (draft_model)")
     spec.add_argument("--prompt-lookup-max", type=int, default=3)
     spec.add_argument("--prompt-lookup-min", type=int, default=2)
+    spec.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=0,
+        help="draft_model: draft up to N tokens by prompt lookup where the context recurs",
+    )
     hosts = p.add_argument_group(
         "several processes (hosts): one mesh over all their devices; run the same command on "
         "each, with its own --process-id (or set KIMI_COORDINATOR_ADDRESS, KIMI_NUM_PROCESSES, "
@@ -110,6 +116,7 @@ def llm_from_args(args):
             "model": args.draft_model,
             "prompt_lookup_max": args.prompt_lookup_max,
             "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
         }
     return LLM(
         args.model,

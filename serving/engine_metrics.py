@@ -39,6 +39,8 @@ class MetricsMixin:
                 # Tokens a request gains per verify (accepted drafts + the bonus token).
                 spec_mean_accepted_length=(spec["accepted_tokens"] + spec["verify_rows"]) / rows,
             )
+            if self.speculative.prompt_lookup_num_tokens:  # of spec_draft_tokens
+                out["spec_lookup_draft_tokens"] = self.runner.drafter.lookup_draft_tokens
         if self.async_scheduling:
             out["overlapped_steps"] = self._overlapped
         if self.prefix_cache is not None:

@@ -22,6 +22,12 @@ class SpeculativeConfig:
     # Requests whose recent acceptance falls below this stop drafting (probing now and then);
     # 0 always drafts.
     min_acceptance: float = 0.25
+    # draft_model only: where the context recurs, draft up to this many tokens by prompt
+    # lookup (the n-gram drafter, `prompt_lookup_min/max`) instead of the model, which
+    # drafts `num_draft_tokens` elsewhere; 0: the model always. On code, lookup drafts are
+    # long and free and the model's are short, so each gets its own window width
+    # (benchmarks/RESULTS.md, "lookup first").
+    prompt_lookup_num_tokens: int = 0
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -39,12 +45,27 @@ class SpeculativeConfig:
         config.validate()
         return config
 
+    @property
+    def window_drafts(self) -> int:
+        """The most drafts one verify window holds (pages and sampling buffers are sized for it)."""
+        return max(self.num_draft_tokens, self.prompt_lookup_num_tokens)
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(
                 f"speculative num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}"
+            )
+        lookup = self.prompt_lookup_num_tokens
+        if not isinstance(lookup, int) or not 0 <= lookup <= 16:
+            raise ValueError(
+                f"speculative prompt_lookup_num_tokens must be in [0, 16], got {lookup}"
+            )
+        if lookup and self.method != "draft_model":
+            raise ValueError(
+                "speculative prompt_lookup_num_tokens is for method 'draft_model' (the n-gram "
+                "method drafts num_draft_tokens by lookup)"
             )
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(

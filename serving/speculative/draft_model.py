@@ -8,6 +8,12 @@ rolls its KDA state and conv windows back to step `commit_lens - 1`, exactly lik
 Its KV past the accepted length is overwritten by the next window. A draft of attention layers
 only has no state to roll back: it keeps no per-step states and makes no rollback call (a
 compiled call costs about 0.2 ms on a CPU, 7% of the built-in model's step).
+
+Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup instead, up to
+`lookup_tokens` tokens, and runs no draft-model step in the window; after the verify the draft
+prefills that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
+on device), so every row's draft cache again holds exactly the target's tokens, as prefix
+caching and preemption assume. The model's own windows stay `num_draft_tokens` wide.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_linear_jax.cache import CacheLayout
-from kimi_linear_jax.model import commit_kda, prefill_step, split_flat
+from kimi_linear_jax.cache import Batch, CacheLayout
+from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
@@ -27,15 +33,46 @@ from serving.state_pool import copy_slots, reset_cache_slots
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _rollback(cache, per_step, slots, commit_lens):
-    return commit_kda(cache, per_step, slots, commit_lens)
+def _rollback(cache, per_step, slots, commit_lens, model_rows):
+    # Lookup rows ran no step in the window: n = 0 keeps their slot as it was.
+    return commit_kda(cache, per_step, slots, jnp.where(model_rows, commit_lens, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
+    """Prefill the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
+    become padding rows: slot and pages null, length 0, so nothing of theirs is written)."""
+    pad = jnp.zeros_like(batch.slots)
+    lookup = Batch(
+        jnp.where(rows, batch.slots, pad),
+        jnp.where(rows[:, None], batch.block_table, 0),
+        jnp.where(rows, batch.start, pad),
+        jnp.where(rows, commit_lens, pad),
+    )
+    model = merge(graphdef, params)
+    return model.prefill(window, cache, lookup, has_prefix=True, last_only=True)[1]
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model, layout: CacheLayout) -> None:
+    def __init__(
+        self,
+        model,
+        layout: CacheLayout,
+        *,
+        num_draft_tokens: int | None = None,
+        lookup: Drafter | None = None,
+        lookup_tokens: int = 0,
+    ) -> None:
         """`model` is placed already (the engine builds it for the target's mesh when its
         shapes allow, else on one device); its caches follow its own plan, with the target's
-        slots and pages (`layout`: the same ids, pages of the target's allocator page)."""
+        slots and pages (`layout`: the same ids, pages of the target's allocator page).
+        `num_draft_tokens`: the model's drafts per window (None: the runner's k); `lookup`: a
+        host drafter tried first, for up to `lookup_tokens` drafts."""
+        self.num_draft_tokens = num_draft_tokens
+        self.lookup = lookup
+        self.lookup_tokens = lookup_tokens
+        self._window = None  # lookup rows of the last window: (rows, window ids, batch)
+        self.lookup_draft_tokens = 0  # drafts proposed by lookup (metrics)
         self.config = model.config
         self.par = model.par
         self.has_state = model.has_recurrent_state
@@ -66,22 +103,68 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, requests, max_drafts, batch, k: int):
         b = int(batch.slots.shape[0])
+        k_model = min(self.num_draft_tokens or k, k)
         last = np.zeros(b, np.int32)
         num = np.zeros(b, np.int32)
-        steps = np.zeros(b, np.int32)  # padding rows run no step
+        steps = np.zeros(b, np.int32)  # padding rows and lookup rows run no step
+        looked = self._look_up(requests, max_drafts, b)
         for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
             last[i] = request.all_token_ids[-1]
-            num[i] = n
-            steps[i] = n + 1
-        if not num.any():
-            # No row drafts (adaptive drafting stopped them, or no room): one plain step keeps
-            # the draft in step with the target; k idle steps more, with their states kept for
-            # a rollback, would cost as much as the target's own step on a small model.
+            if looked[i]:
+                num[i] = len(looked[i])
+                continue
+            num[i] = min(n, k_model)
+            steps[i] = num[i] + 1
+        model_rows = steps > 0
+        self._window = self._lookup_window(looked, last, num, batch, k)
+        self._model_rows = model_rows
+        tokens = self._model_drafts(
+            last, batch, steps, k_model, drafting=bool(num[model_rows].any())
+        )
+        if self._window is None:
+            return (np.zeros((b, k), np.int32) if tokens is None else tokens), num
+        drafts = self._window[1][:, 1:].copy()
+        if tokens is not None:
+            drafts[model_rows, :k_model] = np.asarray(tokens)[model_rows]
+        return drafts, num
+
+    def _look_up(self, requests, max_drafts, b: int) -> list[list[int]]:
+        """Each row's lookup drafts ([] where the context does not recur or lookup is off)."""
+        looked: list[list[int]] = [[] for _ in range(b)]
+        if self.lookup is None:
+            return looked
+        for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
+            if n > 0:
+                looked[i] = self.lookup.propose_tokens(request, min(n, self.lookup_tokens))[:n]
+        return looked
+
+    def _lookup_window(self, looked, last, num, batch, k: int):
+        """(rows, window ids [B, k + 1], batch) for the rows that drafted by lookup, or None."""
+        rows = np.array([bool(d) for d in looked], bool)
+        if not rows.any():
+            return None
+        self.lookup_draft_tokens += int(num[rows].sum())
+        window = np.zeros((len(looked), k + 1), np.int32)
+        window[:, 0] = last
+        for i, d in enumerate(looked):
+            window[i, 1 : 1 + len(d)] = d
+        return rows, window, batch
+
+    def _model_drafts(self, last, batch, steps, k_model: int, drafting: bool):
+        """The draft model's part of the window: k_model greedy drafts and one step more for
+        the rows in `steps` (a device array [B, k_model]); when no row drafts by the model,
+        one plain step for the rows that run one (None); nothing when none does."""
+        self._per_step = None
+        if not steps.any():
+            return None
+        if not drafting:
+            # No row drafts by the model (adaptive drafting stopped them, no room, or lookup):
+            # one plain step keeps the draft in step with the target; k idle steps more, with
+            # their states kept for a rollback, would cost as much as the target's own step.
             _, _, self.cache = decode_steps(
                 self.graphdef, self.params, last, self.cache, batch, steps, num_steps=1
             )
-            self._per_step = None  # the step is the committed one: nothing to roll back
-            return np.zeros((b, k), np.int32), num
+            return None  # that step is the committed one: nothing to roll back
         (tokens, *_), self._per_step, self.cache = decode_steps(
             self.graphdef,
             self.params,
@@ -89,18 +172,25 @@ class DraftModelDrafter(Drafter):
             self.cache,
             batch,
             steps,
-            num_steps=k + 1,
+            num_steps=k_model + 1,
             keep_states=self.has_state,  # without: states None, so `rollback` does nothing
         )
-        return tokens[:, :k], num
+        return tokens[:, :k_model]
 
     def reset(self) -> None:
-        self.cache, self._per_step = self._new_cache(), None
+        self.cache, self._per_step, self._window = self._new_cache(), None, None
 
     def copy_slots(self, pairs, width: int) -> None:
         self.cache = copy_slots(self.cache, pairs, width)
 
     def rollback(self, slots, commit_lens) -> None:
         if self._per_step is not None:
-            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens)
+            rows = self._model_rows
+            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens, rows)
             self._per_step = None
+        if self._window is not None:
+            rows, window, batch = self._window
+            self.cache = _catch_up(
+                self.graphdef, self.params, window, self.cache, batch, rows, commit_lens
+            )
+            self._window = None

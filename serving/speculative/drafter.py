@@ -21,8 +21,9 @@ class Drafter:
         raise NotImplementedError
 
     def propose(self, requests: Sequence, max_drafts: Sequence[int], batch, k: int):
-        """(drafts [B, k] int32, num_drafts [B] int32) for the rows `requests` (padded to
-        `batch`'s rows). Host drafters return numpy; a device drafter may return jax arrays."""
+        """(drafts [B, w] int32, num_drafts [B] int32) for the rows `requests` (padded to
+        `batch`'s rows), w <= k: the verify window is w + 1 wide, so a drafter may narrow it.
+        Host drafters return numpy; a device drafter may return jax arrays."""
         b = int(batch.slots.shape[0])
         drafts = np.zeros((b, k), np.int32)
         num = np.zeros(b, np.int32)

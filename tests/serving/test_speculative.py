@@ -651,8 +651,108 @@ def test_ngram_lookup_equals_its_reference():
         ({"method": "ngram", "num_draft_tokens": 0}, r"num_draft_tokens must be in \[1, 16\]"),
         ({"method": "draft_model"}, "drafts for the built-in default model only"),
         ({"method": "ngram", "k": 3}, r"unknown keys \['k'\]"),
+        ({"method": "ngram", "prompt_lookup_num_tokens": 4}, "is for method 'draft_model'"),
+        (
+            {"method": "draft_model", "prompt_lookup_num_tokens": 17},
+            r"prompt_lookup_num_tokens must be in \[0, 16\], got 17",
+        ),
     ],
 )
 def test_bad_speculative_config(model, spec, match):
     with pytest.raises(ValueError, match=match):
         LLM(model, speculative=spec, **SHAPES)
+
+
+# ---- draft model with lookup first -------------------------------------------------------------
+
+REPETITIVE = [[5, 6, 7, 8] * 6, [9, 3, 9, 3, 9, 4] * 3]
+
+
+def _record_windows(drafter):
+    """Per verify window: (rows that drafted by lookup, drafts per row, accepted lengths)."""
+    windows, propose, rollback = [], drafter.propose, drafter.rollback
+
+    def recording_propose(*a):
+        drafts, num = propose(*a)
+        lookup = drafter._window[0] if drafter._window is not None else np.zeros(len(num), bool)
+        windows.append([lookup.copy(), np.asarray(num).copy(), None])
+        return drafts, num
+
+    def recording_rollback(slots, commit_lens):
+        if windows and windows[-1][2] is None:
+            windows[-1][2] = np.asarray(commit_lens).copy()
+        rollback(slots, commit_lens)
+
+    drafter.propose, drafter.rollback = recording_propose, recording_rollback
+    return windows
+
+
+class _SometimesOracle(OracleDrafter):
+    """Lookup stand-in: the true continuation (wrong at output positions 2 mod 4), proposed
+    only by some requests and at some steps, so that windows mix lookup rows and model rows."""
+
+    def propose_tokens(self, request, max_drafts):
+        done = len(request.output_token_ids)
+        if (request.prompt_token_ids[0] + done) % 3:
+            return []
+        return super().propose_tokens(request, max_drafts)
+
+
+LONGER = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _lookup_spec(draft):
+    return {
+        "method": "draft_model",
+        "num_draft_tokens": 2,
+        "prompt_lookup_num_tokens": 5,
+        "model": draft,
+        "min_acceptance": 0.0,
+    }
+
+
+def _by_source(windows):
+    """(lookup drafts, model drafts, accepted model drafts, windows mixing both) of verifies."""
+    lookup = model_drafts = accepted = mixed = 0
+    for rows, num, commit_lens in windows:
+        if commit_lens is None:  # a draftless step: a plain decode
+            continue
+        lookup += int(num[rows].sum())
+        model_drafts += int(num[~rows].sum())
+        accepted += int((commit_lens - 1)[~rows & (num > 0)].sum())
+        mixed += bool(num[rows].any() and num[~rows].any())
+    return lookup, model_drafts, accepted, mixed
+
+
+def test_lookup_first_keeps_the_draft_in_step(model):
+    """Lookup rows run no draft-model step in their window; after the verify the draft
+    prefills their accepted tokens. With the target as its own draft every model draft is
+    then accepted, which needs the draft's KDA state and MLA KV to hold exactly the accepted
+    tokens after each lookup window, also in windows that mix lookup and model rows."""
+    plain = LLM(model, **SHAPES).generate(PROMPTS, LONGER, use_tqdm=False)
+    plain = [o.token_ids for o in plain]
+    llm = spec_llm(model, speculative=_lookup_spec(model))
+    truth = {tuple(p): r for p, r in zip(PROMPTS, plain, strict=True)}
+    llm.runner.drafter.lookup = _SometimesOracle(truth, model.config.vocab_size, _error_at(2))
+    windows = _record_windows(llm.runner.drafter)
+    assert [o.token_ids for o in llm.generate(PROMPTS, LONGER, use_tqdm=False)] == plain
+    lookup, model_drafts, accepted, mixed = _by_source(windows)
+    m = llm.metrics()
+    assert m["spec_lookup_draft_tokens"] == lookup > 0, m
+    assert model_drafts + lookup == m["spec_draft_tokens"]
+    assert mixed > 0 and max(int(num.max()) for _, num, _ in windows) == 5
+    assert accepted == model_drafts > 0
+    assert m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # lookup errors were injected
+    assert_drained(llm)
+
+
+def test_lookup_first_draft_model_greedy_equals_plain(model):
+    """The n-gram lookup in front of another draft model: output is plain decoding's."""
+    prompts = PROMPTS + REPETITIVE
+    plain = LLM(model, **SHAPES).generate(prompts, LONGER, use_tqdm=False)
+    llm = spec_llm(model, speculative=_lookup_spec(random_model(preset("tiny"), seed=5)))
+    out = llm.generate(prompts, LONGER, use_tqdm=False)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    m = llm.metrics()
+    assert 0 < m["spec_lookup_draft_tokens"] < m["spec_draft_tokens"], m
+    assert_drained(llm)
