@@ -40,7 +40,7 @@ def _rollback(cache, per_step, slots, commit_lens, model_rows):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
-    """Prefill the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
+    """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
     become padding rows: slot and pages null, length 0, so nothing of theirs is written)."""
     pad = jnp.zeros_like(batch.slots)
     lookup = Batch(
@@ -49,8 +49,9 @@ def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
         jnp.where(rows, batch.start, pad),
         jnp.where(rows, commit_lens, pad),
     )
-    model = merge(graphdef, params)
-    return model.prefill(window, cache, lookup, has_prefix=True, last_only=True)[1]
+    # A window pass and its commit, as in the target's verify: on the built-in draft it took
+    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
+    return merge(graphdef, params).decode(window, cache, lookup)[1]
 
 
 class DraftModelDrafter(Drafter):

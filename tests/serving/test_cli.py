@@ -213,6 +213,20 @@ def test_speculative_flags_keep_greedy_output(checkpoint, reference, capsys):
     assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
 
 
+def test_lookup_first_flags_keep_greedy_output(checkpoint, reference, capsys, monkeypatch):
+    built, real = [], generate_command.llm_from_args
+    monkeypatch.setattr(
+        generate_command, "llm_from_args", lambda args: built.append(real(args)) or built[-1]
+    )
+    argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    spec = ["--speculative-method", "draft_model", "--draft-model", checkpoint]
+    spec += ["--num-draft-tokens", "2", "--prompt-lookup-num-tokens", "4"]
+    rc, out, _ = run(capsys, *argv, *FLAGS, *spec, "--no-prefix-caching")
+    assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
+    config = built[0].speculative
+    assert (config.num_draft_tokens, config.prompt_lookup_num_tokens) == (2, 4)
+
+
 def test_async_scheduling_flag_keeps_greedy_output(checkpoint, reference, capsys, monkeypatch):
     built, real = [], generate_command.llm_from_args
     monkeypatch.setattr(
