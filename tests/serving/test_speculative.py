@@ -689,11 +689,16 @@ def _record_windows(drafter):
 
 class _SometimesOracle(OracleDrafter):
     """Lookup stand-in: the true continuation (wrong at output positions 2 mod 4), proposed
-    only by some requests and at some steps, so that windows mix lookup rows and model rows."""
+    at every other call of each request, the requests out of phase by their first prompt
+    token's parity, so that windows mix lookup rows and model rows."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = collections.Counter()
 
     def propose_tokens(self, request, max_drafts):
-        done = len(request.output_token_ids)
-        if (request.prompt_token_ids[0] + done) % 3:
+        self.calls[request.request_id] += 1
+        if (self.calls[request.request_id] + request.prompt_token_ids[0]) % 2:
             return []
         return super().propose_tokens(request, max_drafts)
 
@@ -724,14 +729,17 @@ def _by_source(windows):
     return lookup, model_drafts, accepted, mixed
 
 
-def test_lookup_first_keeps_the_draft_in_step(model):
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_lookup_first_keeps_the_draft_in_step(model, dcp):
     """Lookup rows run no draft-model step in their window; after the verify the draft
-    prefills their accepted tokens. With the target as its own draft every model draft is
+    writes their accepted tokens. With the target as its own draft every model draft is
     then accepted, which needs the draft's KDA state and MLA KV to hold exactly the accepted
-    tokens after each lookup window, also in windows that mix lookup and model rows."""
+    tokens after each lookup window, also in windows that mix lookup and model rows (and
+    with the draft's MLA cache spread over 4 devices)."""
     plain = LLM(model, **SHAPES).generate(PROMPTS, LONGER, use_tqdm=False)
     plain = [o.token_ids for o in plain]
-    llm = spec_llm(model, speculative=_lookup_spec(model))
+    llm = spec_llm(model, speculative=_lookup_spec(model), dcp_size=dcp)
+    assert llm.runner.drafter.par.dcp == dcp
     truth = {tuple(p): r for p, r in zip(PROMPTS, plain, strict=True)}
     llm.runner.drafter.lookup = _SometimesOracle(truth, model.config.vocab_size, _error_at(2))
     windows = _record_windows(llm.runner.drafter)
