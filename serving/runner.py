@@ -355,7 +355,8 @@ class ModelRunner:
         for i, r in enumerate(requests):
             last[i] = r.all_token_ids[-1]
         k = self.num_draft_tokens
-        drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k)
+        tracked = [i for i, r in enumerate(requests) if r.request_id in output.track]
+        drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k, tracked)
         if not np.asarray(num).any():
             if not output.track:
                 return self._draftless(output, batch, result)

@@ -3,17 +3,21 @@
 Its caches mirror the target's layout (same page ids, block tables and state slots), so the
 runner drives both with the same batches: the draft prefills each chunk the target prefills,
 proposes k tokens greedily with k + 1 fused decode steps (the extra step consumes d_k, so that
-the state after any accepted length exists; one step when no row drafts), and after the verify
-rolls its KDA state and conv windows back to step `commit_lens - 1`, exactly like the target.
-Its KV past the accepted length is overwritten by the next window. A draft of attention layers
-only has no state to roll back: it keeps no per-step states and makes no rollback call (a
-compiled call costs about 0.2 ms on a CPU, 7% of the built-in model's step).
+the state after any accepted length exists), and after the verify rolls its KDA state and conv
+windows back to step `commit_lens - 1`, exactly like the target. Its KV past the accepted
+length is overwritten by the next window. A draft of attention layers only has no state to
+roll back: it keeps no per-step states and makes no rollback call (a compiled call costs about
+0.2 ms on a CPU, 7% of the built-in model's step).
+
+A row that rests (no drafts this step) runs no draft step: its last token joins the slot's
+`Lag`, written in one window pass before the draft next runs for it, before its state is
+copied, or once the lag is full.
 
 Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup instead, up to
 `lookup_tokens` tokens, and runs no draft-model step in the window; after the verify the draft
-prefills that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
-on device), so every row's draft cache again holds exactly the target's tokens, as prefix
-caching and preemption assume. The model's own windows stay `num_draft_tokens` wide.
+writes that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
+on device). So, lags aside, every row's draft cache holds exactly the target's tokens, as
+prefix caching and preemption assume. The model's own windows stay `num_draft_tokens` wide.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
+from serving.speculative.lag import Lag
 from serving.state_pool import copy_slots, reset_cache_slots
 
 
@@ -36,6 +41,15 @@ from serving.state_pool import copy_slots, reset_cache_slots
 def _rollback(cache, per_step, slots, commit_lens, model_rows):
     # Lookup rows ran no step in the window: n = 0 keeps their slot as it was.
     return commit_kda(cache, per_step, slots, jnp.where(model_rows, commit_lens, 0))
+
+
+def _write(graphdef, params, ids, cache, batch: Batch):
+    # A window pass and its commit, as in the target's verify: on the built-in draft it took
+    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
+    return merge(graphdef, params).decode(ids, cache, batch)[1]
+
+
+_write_lag = jax.jit(_write, static_argnames=("graphdef",), donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -49,9 +63,7 @@ def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
         jnp.where(rows, batch.start, pad),
         jnp.where(rows, commit_lens, pad),
     )
-    # A window pass and its commit, as in the target's verify: on the built-in draft it took
-    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
-    return merge(graphdef, params).decode(window, cache, lookup)[1]
+    return _write(graphdef, params, window, cache, lookup)
 
 
 class DraftModelDrafter(Drafter):
@@ -88,8 +100,10 @@ class DraftModelDrafter(Drafter):
         )
         self.cache = self._new_cache()
         self._per_step = None
+        self.lag = Lag()
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
+        self.lag.drop(fresh_slots)
         if np.asarray(fresh_slots).any():
             self.cache = reset_cache_slots(self.cache, jnp.asarray(fresh_slots))
         _, self.cache = prefill_step(
@@ -102,7 +116,7 @@ class DraftModelDrafter(Drafter):
             last_only=True,
         )
 
-    def propose(self, requests, max_drafts, batch, k: int):
+    def propose(self, requests, max_drafts, batch, k: int, checkpointed=()):
         b = int(batch.slots.shape[0])
         k_model = min(self.num_draft_tokens or k, k)
         last = np.zeros(b, np.int32)
@@ -115,13 +129,12 @@ class DraftModelDrafter(Drafter):
                 num[i] = len(looked[i])
                 continue
             num[i] = min(n, k_model)
-            steps[i] = num[i] + 1
+            steps[i] = num[i] + 1 if num[i] else 0
+        self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
         self._window = self._lookup_window(looked, last, num, batch, k)
         self._model_rows = model_rows
-        tokens = self._model_drafts(
-            last, batch, steps, k_model, drafting=bool(num[model_rows].any())
-        )
+        tokens = self._model_drafts(last, batch, steps, k_model)
         if self._window is None:
             return (np.zeros((b, k), np.int32) if tokens is None else tokens), num
         drafts = self._window[1][:, 1:].copy()
@@ -151,21 +164,12 @@ class DraftModelDrafter(Drafter):
             window[i, 1 : 1 + len(d)] = d
         return rows, window, batch
 
-    def _model_drafts(self, last, batch, steps, k_model: int, drafting: bool):
+    def _model_drafts(self, last, batch, steps, k_model: int):
         """The draft model's part of the window: k_model greedy drafts and one step more for
-        the rows in `steps` (a device array [B, k_model]); when no row drafts by the model,
-        one plain step for the rows that run one (None); nothing when none does."""
+        the rows with `steps` (a device array [B, k_model]), or None when none drafts."""
         self._per_step = None
         if not steps.any():
             return None
-        if not drafting:
-            # No row drafts by the model (adaptive drafting stopped them, no room, or lookup):
-            # one plain step keeps the draft in step with the target; k idle steps more, with
-            # their states kept for a rollback, would cost as much as the target's own step.
-            _, _, self.cache = decode_steps(
-                self.graphdef, self.params, last, self.cache, batch, steps, num_steps=1
-            )
-            return None  # that step is the committed one: nothing to roll back
         (tokens, *_), self._per_step, self.cache = decode_steps(
             self.graphdef,
             self.params,
@@ -178,10 +182,35 @@ class DraftModelDrafter(Drafter):
         )
         return tokens[:, :k_model]
 
+    def _flush_lags(self, requests, batch, last, steps, looked, checkpointed) -> None:
+        """Resting rows add their last token to their slot's lag; then the lags of the rows
+        the draft runs for in this window (model or lookup drafts) are written, so that those
+        slots hold every token before `last`, and those of the full and the checkpointed rows
+        (the prefix cache may hand their pages to another request's draft)."""
+        slots = np.asarray(batch.slots)
+        due = []
+        for i in range(len(requests)):
+            if steps[i] or looked[i]:
+                due.append(slots[i])
+                continue
+            self.lag.add(slots[i], batch.start[i], last[i], np.asarray(batch.block_table[i]))
+            if self.lag.full(slots[i]) or i in checkpointed:
+                due.append(slots[i])
+        self._write_lags(due, len(slots))
+
+    def _write_lags(self, slots, rows: int) -> None:
+        work = self.lag.take(slots, rows)
+        if work is not None:
+            self.cache = _write_lag(self.graphdef, self.params, work[0], self.cache, work[1])
+
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None
+        self.lag = Lag()
 
     def copy_slots(self, pairs, width: int) -> None:
+        # A copied state must hold every token: write the sources' lags first.
+        self._write_lags([src for src, _ in pairs], width)
+        self.lag.drop([dst for _, dst in pairs])
         self.cache = copy_slots(self.cache, pairs, width)
 
     def rollback(self, slots, commit_lens) -> None:

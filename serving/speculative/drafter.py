@@ -20,10 +20,14 @@ class Drafter:
         """Up to `max_drafts` draft tokens continuing `request.all_token_ids`."""
         raise NotImplementedError
 
-    def propose(self, requests: Sequence, max_drafts: Sequence[int], batch, k: int):
+    def propose(
+        self, requests: Sequence, max_drafts: Sequence[int], batch, k: int, checkpointed=()
+    ):
         """(drafts [B, w] int32, num_drafts [B] int32) for the rows `requests` (padded to
         `batch`'s rows), w <= k: the verify window is w + 1 wide, so a drafter may narrow it.
-        Host drafters return numpy; a device drafter may return jax arrays."""
+        Host drafters return numpy; a device drafter may return jax arrays. `checkpointed`:
+        the rows whose state the target checkpoints in this step (a drafter with caches must
+        then hold their tokens too)."""
         b = int(batch.slots.shape[0])
         drafts = np.zeros((b, k), np.int32)
         num = np.zeros(b, np.int32)

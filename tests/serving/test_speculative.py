@@ -172,8 +172,9 @@ def test_draft_model_greedy_equals_plain(model, reference):
 
 
 def test_draft_model_keeps_in_step_through_draftless_steps(model, reference):
-    """A step in which no row drafts runs one plain draft step: the draft (the target itself
-    here) must still have consumed every token, so each later window accepts all it drafts."""
+    """In a step in which no row drafts the draft runs no step; the tokens it missed are
+    written before it drafts again. The draft (the target itself here) must then have
+    consumed every token, so each later window accepts all it drafts."""
     llm = spec_llm(
         model, speculative={"method": "draft_model", "num_draft_tokens": 3, "model": model}
     )
@@ -672,8 +673,8 @@ def _record_windows(drafter):
     """Per verify window: (rows that drafted by lookup, drafts per row, accepted lengths)."""
     windows, propose, rollback = [], drafter.propose, drafter.rollback
 
-    def recording_propose(*a):
-        drafts, num = propose(*a)
+    def recording_propose(*a, **kw):
+        drafts, num = propose(*a, **kw)
         lookup = drafter._window[0] if drafter._window is not None else np.zeros(len(num), bool)
         windows.append([lookup.copy(), np.asarray(num).copy(), None])
         return drafts, num
@@ -763,4 +764,64 @@ def test_lookup_first_draft_model_greedy_equals_plain(model):
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     m = llm.metrics()
     assert 0 < m["spec_lookup_draft_tokens"] < m["spec_draft_tokens"], m
+    assert_drained(llm)
+
+
+def test_resting_rows_lag_and_catch_up(monkeypatch):
+    """Rows that rest run no draft step; their tokens are written in one pass when the draft
+    drafts for them again, when 16 have gathered (`MAX_LAG`), and when the target checkpoints
+    the row's state, since the prefix cache then hands those pages to other requests' drafts.
+    An attention-only model drafts for itself: request A always rests, past the checkpoint at
+    64 tokens and to its end, and its pages up to 64 must then hold the same latents in the
+    draft's cache as in the target's; B extends A's text (a prefix hit at 64, the draft
+    reading A's draft KV) and C rests 20 steps, then drafts: every draft is accepted."""
+    import serving.speculative.draft_model as draft_mod
+    from serving.speculative.lag import MAX_LAG
+
+    widths = []
+    real = draft_mod._write_lag
+    monkeypatch.setattr(
+        draft_mod,
+        "_write_lag",
+        lambda g, p, ids, cache, batch: (
+            widths.append((ids.shape[1], max(batch.lengths))) or real(g, p, ids, cache, batch)
+        ),
+    )
+    attn = random_model(preset("tiny", **ATTENTION_ONLY), seed=7)
+    shapes = {**SHAPES, "num_pages": 64, "max_num_seqs": 2}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    a, c = list(range(3, 43)), list(range(50, 80))
+    plain = LLM(attn, **shapes)
+    spec = {"method": "draft_model", "num_draft_tokens": 3, "model": attn, "min_acceptance": 0}
+    llm = LLM(attn, speculative=spec, **shapes)
+    assert llm.prefix_cache is not None and llm.track_interval == 64
+    max_drafts, calls = llm.scheduler._max_drafts, collections.Counter()
+
+    def rests(request, room):
+        calls[request.request_id] += 1
+        if request.prompt_token_ids[0] == 3 and len(request.prompt_token_ids) == 40:
+            return 0  # A
+        if request.prompt_token_ids[0] == 50 and calls[request.request_id] <= 20:
+            return 0  # C's first 20 steps
+        return max_drafts(request, room)
+
+    llm.scheduler._max_drafts = rests
+    first = [o.token_ids for o in llm.generate([a, c], params, use_tqdm=False)]
+    assert first == [o.token_ids for o in plain.generate([a, c], params, use_tqdm=False)]
+    b = a + first[0][:30]
+    # A's pages up to its checkpoint hold the same latents in the draft as in the target.
+    hit = llm.prefix_cache.lookup(b)
+    llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+    pages = np.asarray(hit.pages)
+    assert len(pages) == 16
+    for target, draft in zip(llm.runner.cache.mla, llm.runner.drafter.cache.mla, strict=True):
+        np.testing.assert_allclose(draft.latent[pages], target.latent[pages], atol=1e-5)
+    before = llm.metrics()
+    (out,) = llm.generate([b], params, use_tqdm=False)
+    assert out.num_cached_tokens == 64
+    assert out.token_ids == plain.generate([b], params, use_tqdm=False)[0].token_ids
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > before["spec_draft_tokens"], m
+    assert max(w for w, _ in widths) == MAX_LAG and (MAX_LAG, MAX_LAG) in widths, widths
+    llm.reset_prefix_cache()
     assert_drained(llm)
