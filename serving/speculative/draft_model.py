@@ -99,7 +99,8 @@ class DraftModelDrafter(Drafter):
             dtype=model.dtype,
         )
         self.cache = self._new_cache()
-        self._per_step = None
+        self._per_step = None  # the last window's per-step KDA states, for the rollback
+        self._model_rows = None  # the rows the draft model ran for in the last window
         self.lag = Lag()
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
@@ -121,7 +122,7 @@ class DraftModelDrafter(Drafter):
         k_model = min(self.num_draft_tokens or k, k)
         last = np.zeros(b, np.int32)
         num = np.zeros(b, np.int32)
-        steps = np.zeros(b, np.int32)  # padding rows and lookup rows run no step
+        steps = np.zeros(b, np.int32)  # padding, lookup and resting rows run no step
         looked = self._look_up(requests, max_drafts, b)
         for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
             last[i] = request.all_token_ids[-1]
