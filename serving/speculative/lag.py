@@ -32,9 +32,6 @@ class Lag:
     def __init__(self) -> None:
         self._by_slot: dict[int, _Pending] = {}
 
-    def __len__(self) -> int:
-        return len(self._by_slot)
-
     def add(self, slot: int, position: int, token: int, pages: np.ndarray) -> None:
         """The target consumed `token` at `position` in `slot` and the draft did not."""
         pending = self._by_slot.setdefault(int(slot), _Pending(int(position), [], pages))
