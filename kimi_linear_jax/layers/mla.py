@@ -127,7 +127,7 @@ class MLA(nnx.Module):
         w_uk, w_uv = self._absorbed_weights()
         w_uv = self._own(w_uv, 0)
         acc = acc_dtype(q_nope)
-        q_lat = jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)
+        q_lat = _absorb_query(q_nope, w_uk, acc)
         q_pe = q_pe.astype(acc)
         if par.q_gather:  # the whole DCP group's heads attend this rank's tokens
             q_lat, q_pe = dcp.gather_heads(q_lat), dcp.gather_heads(q_pe)
@@ -193,3 +193,16 @@ class MLA(nnx.Module):
         kv_lens = jnp.where(batch.lengths[:, None] > 0, kv_lens, 0)
         o, _, latent = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens, new)
         return self._out(x, o), MLACache(latent)
+
+
+def _absorb_query(q_nope: jax.Array, w_uk: jax.Array, acc) -> jax.Array:
+    """q_nope [B, T, N, P] x w_uk [N, P, L] -> q_lat [B, T, N, L] in `acc`.
+
+    XLA:CPU has no kernel for this head-batched product with bfloat16 operands and a float32
+    result once T * N reaches a few rows ("Unsupported element type for DotThunk::Execute: BF16
+    x BF16 = F32", jax 0.10): a bfloat16 model failed every verify window of 8+ tokens and
+    every prefix-hit prefill there. On CPU the operands go to `acc` first, which is exact
+    (bfloat16 values are float32 values); elsewhere the product keeps its bfloat16 inputs."""
+    if jax.default_backend() == "cpu":
+        return jnp.einsum("btnp,npl->btnl", q_nope.astype(acc), w_uk.astype(acc))
+    return jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)

@@ -20,13 +20,18 @@ from kimi_linear_jax.presets import preset
 from tests.helpers import assert_close
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 24])
-def test_absorbed_equals_naive(q_lora_rank):
+# bfloat16: XLA:CPU has no kernel for the absorbed query product in bfloat16 from 8 rows on
+# (the layer upcasts there); its tolerance is one bfloat16 ulp (the forms round differently).
+@pytest.mark.parametrize(
+    "q_lora_rank, dtype, tol",
+    [(None, "float32", 1e-5), (24, "float32", 1e-5), (None, "bfloat16", 8e-3)],
+)
+def test_absorbed_equals_naive(q_lora_rank, dtype, tol):
     """Absorbed attention over a shuffled paged cache == the naive expanded form."""
     cfg = preset("tiny", q_lora_rank=q_lora_rank)
-    mla = MLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    mla = MLA(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(1))
     B, T, page = 2, 23, 8
-    x = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size))
+    x = jax.random.normal(jax.random.key(0), (B, T, cfg.hidden_size)).astype(dtype)
     q_nope, q_pe = mla._query(x)
     rows = mla.latent(x)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
@@ -35,14 +40,14 @@ def test_absorbed_equals_naive(q_lora_rank):
     n = -(-T // page)
     perm = np.random.default_rng(0).permutation(B * n + 3)
     table = jnp.asarray(perm[: B * n].reshape(B, n), jnp.int32)
-    cache = jnp.full((B * n + 3, page, cfg.latent_dim), 1e4, jnp.float32)
+    cache = jnp.full((B * n + 3, page, cfg.latent_dim), 1e4, dtype)
     cache = mla_ops.write_latents(
         cache, rows, table, jnp.zeros(B, jnp.int32), jnp.full((B,), T, jnp.int32)
     )
     kv_lens = jnp.broadcast_to(jnp.arange(1, T + 1), (B, T))
     o_abs, lse_abs, _ = mla._absorbed(q_nope, q_pe, cache, table, kv_lens)
-    assert_close(o_abs, o_naive, atol=1e-5, rtol_rms=1e-5, name="o")
-    assert_close(lse_abs, lse_naive, atol=1e-5, rtol_rms=1e-6, name="lse")
+    assert_close(o_abs, o_naive, atol=tol, rtol_rms=tol, name="o")
+    assert_close(lse_abs, lse_naive, atol=tol, rtol_rms=tol / 10, name="lse")
 
 
 def test_paged_reference_edge_rows():

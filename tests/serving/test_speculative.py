@@ -103,6 +103,24 @@ def test_oracle_greedy_equals_plain(model, reference, case):
     assert_drained(llm)
 
 
+def test_bfloat16_model_verifies_wide_windows():
+    """A bfloat16 model serves prompts and verify windows of 8+ tokens (both went through a
+    product XLA:CPU could not run in bfloat16, and every such request failed), and greedy
+    speculation still equals plain decoding: the oracle drafts plain's own tokens, 8 at a time."""
+    model = random_model(preset("tiny"), dtype=jnp.bfloat16)
+    plain = LLM(model, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.error for o in plain] == [None] * len(PROMPTS)
+    reference = [o.token_ids for o in plain]
+    spec = {"method": "ngram", "num_draft_tokens": 8}
+    llm = spec_llm(model, oracle(model, reference, ERRORS["all_accepted"]), speculative=spec)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(PROMPTS)
+    assert [o.token_ids for o in outs] == reference
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+    assert_drained(llm)
+
+
 def test_adaptive_drafting_backs_off_when_drafts_fail(model, reference):
     """Requests whose drafts keep failing stop drafting (one-token windows); output unchanged."""
     never = oracle(model, reference, ERRORS["none_accepted"])
