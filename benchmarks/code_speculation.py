@@ -11,7 +11,8 @@ taking turns call by call. Every speculative run's tokens are compared with plai
 (printed; "NO" means the outputs differ). Acceptance = accepted / proposed drafts; mean
 accepted length = tokens a row gains per verify (accepted drafts + the bonus token).
 
-Run from the repo root: ``python benchmarks/code_speculation.py [--k 4] [--prompts 6]``.
+Run from the repo root: ``python benchmarks/code_speculation.py [--k 4] [--prompts 6]
+[--out DIR]`` (writes ``code_speculation_k<K>.json`` to DIR, default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--draft-model", help="a draft checkpoint to use instead of the built-in one")
     p.add_argument("--lookup-k", type=int, default=8, help="draft+lookup: lookup drafts")
     p.add_argument("--lookup-model-k", type=int, default=2, help="draft+lookup: model drafts")
+    p.add_argument("--out", help="directory for the JSON (default: benchmarks/results)")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta["min_acceptance"] = a.min_acceptance
     meta["draft_model"] = a.draft_model or "built-in"
     meta["draft+lookup k"] = f"model {a.lookup_model_k}, lookup {a.lookup_k}"
-    print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta))
+    print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta, a.out))
     return rows
 
 

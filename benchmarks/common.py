@@ -94,12 +94,16 @@ def _heap_kept() -> bool:
 
 
 def write_json(
-    name: str, rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None
+    name: str,
+    rows: Sequence[dict[str, Any]],
+    meta: dict[str, Any] | None = None,
+    out_dir: str | None = None,
 ) -> str:
-    """Write ``benchmarks/results/<name>.json`` with the rows and meta (environment added);
-    returns the path."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    """Write ``<out_dir>/<name>.json`` (default ``benchmarks/results``) with the rows and meta
+    (environment added); returns the path."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
     payload = {"name": name, "meta": {**environment(), **(meta or {})}, "rows": list(rows)}
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

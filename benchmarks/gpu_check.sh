@@ -19,14 +19,16 @@
 #   2. nvidia-smi (<= 20 s) GPU, driver, clocks, memory in use.
 #   3. pytest   (<= 150 s) `pytest -q -m gpu tests/kernels -x` with JAX_PLATFORMS=cuda: the
 #                          compiled Triton kernel against the reference at the release dims.
-#   4. bench    (the rest, >= 200 s) `benchmarks/mla_decode.py --out OUTDIR` on the full grid
+#   4. speculation (<= 120 s) `benchmarks/code_speculation.py --k 8 --prompts 3`: plain, n-gram,
+#                          draft model and lookup first on the built-in models (issue 15's goals).
+#   5. bench    (the rest, >= 150 s) `benchmarks/mla_decode.py --out OUTDIR` on the full grid
 #                          (B 1 16 64, ctx 4096 32768, T 1 4), told to start no config within
 #                          60 s of its timeout; it rewrites OUTDIR/mla_decode.json after every
 #                          config, so a cut-short run keeps its rows.
-#   5. summary  OUTDIR/summary.txt: each step's exit code (124 = timed out) and seconds, the GPU,
-#                          the pytest result line and the benchmark table.
-# Files in OUTDIR (6, under the device tool's 8-file limit): env.log, nvidia-smi.log, pytest.log,
-# bench.log, mla_decode.json, summary.txt.
+#   6. summary  OUTDIR/summary.txt: each step's exit code (124 = timed out) and seconds, the GPU,
+#                          the pytest result line and both benchmark tables.
+# Files in OUTDIR (8, the device tool's limit): env.log, nvidia-smi.log, pytest.log,
+# speculation.log, code_speculation_k8.json, bench.log, mla_decode.json, summary.txt.
 
 set -u
 set -o pipefail
@@ -193,7 +195,17 @@ else
     record pytest skip 0 "no usable python"
 fi
 
-# ---- 4. benchmark ---------------------------------------------------------------------------
+# ---- 4. speculation on the built-in models (issue 15's speed goals) ---------------------------
+if [ "$MODE" != none ]; then
+    SPEC=(benchmarks/code_speculation.py --k 8 --prompts 3 --repeats 2 --out "$OUTDIR")
+    [ "$MODE" = cpu ] && SPEC=(benchmarks/code_speculation.py --k 2 --prompts 1 --max-tokens 16
+        --repeats 1 --lookup-k 2 --lookup-model-k 1 --out "$OUTDIR")
+    run_step speculation 120 "$PY" "${SPEC[@]}"
+else
+    record speculation skip 0 "no usable python"
+fi
+
+# ---- 5. benchmark ---------------------------------------------------------------------------
 if [ "$MODE" != none ]; then
     t=$(($(left) - 10))
     BENCH=(benchmarks/mla_decode.py --out "$OUTDIR" --time-budget $((t > 90 ? t - 60 : t / 2)))
@@ -205,7 +217,7 @@ else
     record bench skip 0 "no usable python"
 fi
 
-# ---- 5. summary -----------------------------------------------------------------------------
+# ---- 6. summary -----------------------------------------------------------------------------
 {
     echo "gpu_check: mode=$MODE python=${PY:-none} total $(($(date +%s) - T0)) s" \
         "(budget $BUDGET_S s) $(date -u +%FT%TZ)"
@@ -223,6 +235,12 @@ fi
     echo
     echo "pytest:"
     [ -f "$OUTDIR/pytest.log" ] && tail -n 5 "$OUTDIR/pytest.log"
+    echo
+    echo "speculation (code continuation, B = 1, greedy):"
+    if [ -f "$OUTDIR/speculation.log" ]; then
+        sed -n '/^ *config  *k /,/^wrote/p' "$OUTDIR/speculation.log"
+        grep -E 'Error|Traceback' "$OUTDIR/speculation.log" | head -n 5
+    fi
     echo
     echo "bench:"
     if [ -f "$OUTDIR/bench.log" ]; then

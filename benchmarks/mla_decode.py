@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import environment, print_table, timeit, timeit_interleaved, write_json  # noqa: E402
+from common import print_table, timeit, timeit_interleaved, write_json  # noqa: E402
 
 from kimi_linear_jax.ops.mla import mla_paged_attention_reference  # noqa: E402
 
@@ -281,18 +280,6 @@ def _fill_ratios(rows: list[dict], copy_GBps: float) -> None:
                 r[f"{name}_T4/T1"] = r[f"{name}_us"] / d[f"{name}_us"]
 
 
-def _write(rows, meta, out_dir: str | None) -> str:
-    if out_dir is None:
-        return write_json("mla_decode", rows, meta)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "mla_decode.json")
-    payload = {"name": "mla_decode", "meta": {**environment(), **meta}, "rows": list(rows)}
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    return path
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--B", type=int, nargs="+", help="batch sizes (GPU: 1 16 64; CPU: 1 16)")
@@ -366,12 +353,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"copy bandwidth: {copy['copy_GBps']:,.1f} GB/s ({copy['copy_MiB']:.0f} MiB array)")
 
     rows: list[dict] = []
-    path = _write(rows, meta, a.out)
+    path = write_json("mla_decode", rows, meta, a.out)
     configs = [(B, ctx, T) for B in Bs for ctx in ctxs for T in Ts]
     for B, ctx, T in configs:
         if a.time_budget is not None and time.perf_counter() - t_start > a.time_budget:
             rows.append({"B": B, "ctx": ctx, "T": T, "note": "skipped: time budget"})
-            path = _write(rows, meta, a.out)
+            path = write_json("mla_decode", rows, meta, a.out)
             continue
         t0 = time.perf_counter()
         try:
@@ -396,7 +383,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sys.stdout.flush()
         _fill_ratios(rows, copy["copy_GBps"])
         meta["elapsed_s"] = time.perf_counter() - t_start
-        path = _write(rows, meta, a.out)
+        path = write_json("mla_decode", rows, meta, a.out)
     print()
     print_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
     print(f"\ncopy bandwidth {copy['copy_GBps']:,.1f} GB/s; wrote {os.path.relpath(path)}")
