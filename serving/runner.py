@@ -385,7 +385,8 @@ class ModelRunner:
             track=bool(output.track),
         )
         tokens, commit_lens, *logprobs = picked
-        self.drafter.rollback(batch.slots, commit_lens)
+        track = (track_slots, track_steps) if output.track else None
+        self.drafter.rollback(batch.slots, commit_lens, track)
         host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
         commit_lens, num = np.asarray(host[0]), np.asarray(num)
         samples = host_samples(host[1:], rows, mode)

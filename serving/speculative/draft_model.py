@@ -18,6 +18,11 @@ Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup inst
 writes that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
 on device). So, lags aside, every row's draft cache holds exactly the target's tokens, as
 prefix caching and preemption assume. The model's own windows stay `num_draft_tokens` wide.
+
+Track points: where the target's verify snapshots a row's state for the prefix cache, a draft
+with KDA layers writes its own state after the same window step into the same slot of its
+cache (from its window's per-step states, from the catch-up pass, or, for a resting row, from
+its slot), since a prefix hit copies that slot in both caches.
 """
 
 from __future__ import annotations
@@ -28,32 +33,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_linear_jax.cache import Batch, CacheLayout
+from kimi_linear_jax.cache import Batch, CacheLayout, KDAState
+from kimi_linear_jax.layers.block import state_rows
 from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import init_cache
 from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
 from serving.speculative.lag import Lag
+from serving.speculative.verify import track_rows, write_track
 from serving.state_pool import copy_slots, reset_cache_slots
+
+NO_TRACK = None  # `track` of a window in which the target snapshots no row
+
+
+def _commit(cache, per_step, slots, n, track, after):
+    """Commit step n[b] - 1 of the window into each row's slot and, with `track` = (track
+    slots, track steps [B], -1: none), the state after the track step into the track slot,
+    as the target's verify does for the prefix cache (rows whose step is not below n write
+    nothing there)."""
+    if track is NO_TRACK:
+        return commit_kda(cache, per_step, slots, n, after=after)
+    track_slots, track_steps = track
+    snaps = track_rows(per_step, track_steps, n)
+    cache = commit_kda(cache, per_step, slots, n, after=(after, snaps))
+    return write_track(cache, snaps, track_slots, track_steps, n)
+
+
+def _only(rows, track):
+    """`track` for the rows `rows` alone (the others: no track step)."""
+    return NO_TRACK if track is NO_TRACK else (track[0], jnp.where(rows, track[1], -1))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _rollback(cache, per_step, slots, commit_lens, model_rows):
+def _rollback(cache, per_step, slots, commit_lens, model_rows, track=NO_TRACK):
     # Lookup rows ran no step in the window: n = 0 keeps their slot as it was.
-    return commit_kda(cache, per_step, slots, jnp.where(model_rows, commit_lens, 0))
+    n = jnp.where(model_rows, commit_lens, 0)
+    return _commit(cache, per_step, slots, n, _only(model_rows, track), after=None)
 
 
-def _write(graphdef, params, ids, cache, batch: Batch):
+def _write(graphdef, params, ids, cache, batch: Batch, track=NO_TRACK):
     # A window pass and its commit, as in the target's verify: on the built-in draft it took
     # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
-    return merge(graphdef, params).decode(ids, cache, batch)[1]
+    logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
+    return _commit(cache, per_step, batch.slots, batch.lengths, track, after=logits)
 
 
 _write_lag = jax.jit(_write, static_argnames=("graphdef",), donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
+def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, track=NO_TRACK):
     """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
     become padding rows: slot and pages null, length 0, so nothing of theirs is written)."""
     pad = jnp.zeros_like(batch.slots)
@@ -63,7 +92,20 @@ def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens):
         jnp.where(rows, batch.start, pad),
         jnp.where(rows, commit_lens, pad),
     )
-    return _write(graphdef, params, window, cache, lookup)
+    return _write(graphdef, params, window, cache, lookup, _only(rows, track))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _track_resting(cache, slots, rows, commit_lens, track):
+    """Resting rows drafted nothing, so their track step can only be 0, the state after
+    `last`, and their slot holds it: the runner flushed their lag, `last` included, before
+    the verify (`_flush_lags`). It goes to the track slot as a one-step window."""
+    one_step = tuple(
+        KDAState(*(a[:, None] for a in state_rows(state, slots))) for state in cache.kda
+    )
+    track_slots, track_steps = _only(rows, track)
+    snaps = track_rows(one_step, track_steps, commit_lens)
+    return write_track(cache, snaps, track_slots, track_steps, commit_lens)
 
 
 class DraftModelDrafter(Drafter):
@@ -214,14 +256,24 @@ class DraftModelDrafter(Drafter):
         self.lag.drop([dst for _, dst in pairs])
         self.cache = copy_slots(self.cache, pairs, width)
 
-    def rollback(self, slots, commit_lens) -> None:
+    def rollback(self, slots, commit_lens, track=None) -> None:
+        # A draft with KDA layers snapshots its state where the target does (`track`), for a
+        # prefix hit restores the checkpoint slot in both caches. Attention-only drafts need
+        # not: their KV is in the pages, lags included (`_flush_lags`).
+        if track is not None and not (self.has_state and (np.asarray(track[1]) >= 0).any()):
+            track = NO_TRACK
+        resting = ~self._model_rows
+        if self._window is not None:
+            resting &= ~self._window[0]
         if self._per_step is not None:
             rows = self._model_rows
-            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens, rows)
+            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens, rows, track)
             self._per_step = None
         if self._window is not None:
             rows, window, batch = self._window
             self.cache = _catch_up(
-                self.graphdef, self.params, window, self.cache, batch, rows, commit_lens
+                self.graphdef, self.params, window, self.cache, batch, rows, commit_lens, track
             )
             self._window = None
+        if track is not NO_TRACK:
+            self.cache = _track_resting(self.cache, slots, resting, commit_lens, track)

@@ -43,8 +43,11 @@ class Drafter:
     def copy_slots(self, pairs, width: int) -> None:
         """Mirror the target's prefix-cache slot copies (drafters with caches)."""
 
-    def rollback(self, slots, commit_lens) -> None:
-        """Keep the drafter's state for the accepted tokens only (drafters with caches)."""
+    def rollback(self, slots, commit_lens, track=None) -> None:
+        """Keep the drafter's state for the accepted tokens only (drafters with caches).
+        `track`: (track slots, track steps [B], -1: none) when the target snapshots rows of
+        this window for the prefix cache; a drafter with a recurrent state snapshots its own
+        state there too."""
 
     def reset(self) -> None:
         """Empty every slot and page (the engine rebuilt the target's caches after a fault)."""

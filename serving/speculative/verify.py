@@ -96,9 +96,9 @@ def accept(
     return jnp.where(greedy, target, sampled), jnp.where(greedy[:, 0], greedy_accepted, accepted)
 
 
-def _track_rows(per_step, track_steps, commit_lens) -> tuple[KDAState, ...]:
+def track_rows(per_step, track_steps, commit_lens) -> tuple[KDAState, ...]:
     """Per KDA layer, the state after step track_steps[b] (what a track point snapshots).
-    Rows whose step was not accepted get a placeholder that `_write_track` drops."""
+    Rows whose step was not accepted get a placeholder that `write_track` drops."""
     valid = (track_steps >= 0) & (track_steps < commit_lens)
     # Only accepted track steps are written, so the pool itself is never read here: reading
     # it would cost a copy of the whole pool.
@@ -121,7 +121,7 @@ def _replay_tracked(cache: ModelCache, inputs, slots, commit_lens, track_steps, 
     return ModelCache(tuple(kda), cache.mla), tuple(snaps)
 
 
-def _write_track(cache: ModelCache, rows, track_slots, track_steps, commit_lens) -> ModelCache:
+def write_track(cache: ModelCache, rows, track_slots, track_steps, commit_lens) -> ModelCache:
     """Write the track rows to slot track_slots[b] when that step was accepted
     (0 <= ith < commit_lens); other rows write nothing. After every write of the commit (the
     conv windows' writes read the committed S pool; see `scatter_rows`), so that these writes
@@ -184,14 +184,14 @@ def verify_step(
     if commit_recurrent and track and commit == "replay":
         slots = batch.slots
         cache, rows = _replay_tracked(cache, per_step, slots, commit_lens, track_steps, logits)
-        cache = _write_track(cache, rows, track_slots, track_steps, commit_lens)
+        cache = write_track(cache, rows, track_slots, track_steps, commit_lens)
     elif commit_recurrent:
         # The track rows are computed before the commit overwrites the pools they come from
         # (XLA may recompute them from the pools' rows), and the commit waits for them.
-        rows = _track_rows(per_step, track_steps, commit_lens) if track else ()
+        rows = track_rows(per_step, track_steps, commit_lens) if track else ()
         cache = commit_kda(cache, per_step, batch.slots, commit_lens, after=(logits, rows))
         if track:
-            cache = _write_track(cache, rows, track_slots, track_steps, commit_lens)
+            cache = write_track(cache, rows, track_slots, track_steps, commit_lens)
     if mode == "greedy":
         return (tokens, commit_lens, *no_logprobs(tokens)), cache
     return (tokens, commit_lens, *token_logprobs(logits, tokens)), cache

@@ -697,10 +697,10 @@ def _record_windows(drafter):
         windows.append([lookup.copy(), np.asarray(num).copy(), None])
         return drafts, num
 
-    def recording_rollback(slots, commit_lens):
+    def recording_rollback(slots, commit_lens, *track):
         if windows and windows[-1][2] is None:
             windows[-1][2] = np.asarray(commit_lens).copy()
-        rollback(slots, commit_lens)
+        rollback(slots, commit_lens, *track)
 
     drafter.propose, drafter.rollback = recording_propose, recording_rollback
     return windows
@@ -841,5 +841,64 @@ def test_resting_rows_lag_and_catch_up(monkeypatch):
     m = llm.metrics()
     assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > before["spec_draft_tokens"], m
     assert max(w for w, _ in widths) == MAX_LAG and (MAX_LAG, MAX_LAG) in widths, widths
+    llm.reset_prefix_cache()
+    assert_drained(llm)
+
+
+class _LookupFor(OracleDrafter):
+    """Lookup stand-in: the true continuation for the requests whose prompt starts with one of
+    `firsts`, nothing for the others."""
+
+    def __init__(self, firsts, *args):
+        super().__init__(*args)
+        self.firsts = firsts
+
+    def propose_tokens(self, request, max_drafts):
+        if request.prompt_token_ids[0] not in self.firsts:
+            return []
+        return super().propose_tokens(request, max_drafts)
+
+
+def test_kda_draft_snapshots_at_track_points(model):
+    """A draft with KDA layers writes its own state into the checkpoint slot where the
+    target's verify snapshots a track point, for each kind of row in the window: one that
+    drafts with the model (A), one that drafts by lookup (L) and one that rests (R). A prefix
+    hit restores that slot into both caches; left unwritten, the draft restarted from a stale
+    state and accepted 6 of 67 drafts after a hit instead of all. The target drafts for itself,
+    so both caches must hold the same state there, and a request extending A's text, hit at
+    64, accepts every draft."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = {"A": list(range(3, 43)), "L": list(range(44, 84)), "R": list(range(85, 125))}
+    shapes = {**SHAPES, "num_pages": 64}
+    plain = LLM(model, **shapes).generate(list(prompts.values()), params, use_tqdm=False)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts.values(), plain, strict=True)}
+    llm = LLM(model, speculative=_lookup_spec(model), **shapes)
+    assert llm.prefix_cache is not None and llm.track_interval == 64
+    llm.runner.drafter.lookup = _LookupFor({44}, truth, model.config.vocab_size, lambda p: False)
+    max_drafts = llm.scheduler._max_drafts
+    rests = lambda request, room: (
+        0 if request.prompt_token_ids[0] == 85 else max_drafts(request, room)
+    )  # noqa: E731
+    llm.scheduler._max_drafts = rests
+    out = llm.generate(list(prompts.values()), params, use_tqdm=False)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert llm.metrics()["spec_lookup_draft_tokens"] > 0
+    llm.scheduler._max_drafts = max_drafts
+    for name, o in zip(prompts, out, strict=True):
+        hit = llm.prefix_cache.lookup(prompts[name] + o.token_ids)
+        llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+        assert hit.depth == 64 and hit.checkpoint is not None, name
+        for target, draft in zip(llm.runner.cache.kda, llm.runner.drafter.cache.kda, strict=True):
+            for field, t, d in zip(target._fields, target, draft, strict=True):
+                np.testing.assert_allclose(
+                    d[hit.checkpoint], t[hit.checkpoint], atol=1e-5, err_msg=f"{name} {field}"
+                )
+    before = llm.metrics()
+    b = prompts["A"] + out[0].token_ids
+    (again,) = llm.generate([b], params, use_tqdm=False)
+    assert again.num_cached_tokens == 64
+    m = llm.metrics()
+    drafted = m["spec_draft_tokens"] - before["spec_draft_tokens"]
+    assert m["spec_accepted_tokens"] - before["spec_accepted_tokens"] == drafted > 0
     llm.reset_prefix_cache()
     assert_drained(llm)
