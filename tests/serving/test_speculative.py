@@ -103,6 +103,19 @@ def test_oracle_greedy_equals_plain(model, reference, case):
     assert_drained(llm)
 
 
+def test_draft_model_preemption_keeps_outputs(model, reference):
+    """Preempted requests recompute from scratch in both models: outputs stay plain's, and the
+    target drafting for itself still has every draft accepted after the recomputation."""
+    spec = {"method": "draft_model", "num_draft_tokens": K, "model": model, "min_acceptance": 0}
+    llm = spec_llm(model, speculative=spec)
+    outs = llm.generate(PROMPTS + PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference + reference
+    m = llm.metrics()
+    assert m["preemptions"] > 0
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+    assert_drained(llm)
+
+
 def test_bfloat16_model_verifies_wide_windows():
     """A bfloat16 model serves prompts and verify windows of 8+ tokens (both went through a
     product XLA:CPU could not run in bfloat16, and every such request failed), and greedy
@@ -870,7 +883,8 @@ def test_kda_draft_snapshots_at_track_points(model):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = {"A": list(range(3, 43)), "L": list(range(44, 84)), "R": list(range(85, 125))}
     shapes = {**SHAPES, "num_pages": 64}
-    plain = LLM(model, **shapes).generate(list(prompts.values()), params, use_tqdm=False)
+    plain_llm = LLM(model, **shapes)
+    plain = plain_llm.generate(list(prompts.values()), params, use_tqdm=False)
     truth = {tuple(p): o.token_ids for p, o in zip(prompts.values(), plain, strict=True)}
     llm = LLM(model, speculative=_lookup_spec(model), **shapes)
     assert llm.prefix_cache is not None and llm.track_interval == 64
@@ -897,6 +911,7 @@ def test_kda_draft_snapshots_at_track_points(model):
     b = prompts["A"] + out[0].token_ids
     (again,) = llm.generate([b], params, use_tqdm=False)
     assert again.num_cached_tokens == 64
+    assert again.token_ids == plain_llm.generate([b], params, use_tqdm=False)[0].token_ids
     m = llm.metrics()
     drafted = m["spec_draft_tokens"] - before["spec_draft_tokens"]
     assert m["spec_accepted_tokens"] - before["spec_accepted_tokens"] == drafted > 0
