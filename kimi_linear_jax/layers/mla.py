@@ -201,8 +201,9 @@ def _absorb_query(q_nope: jax.Array, w_uk: jax.Array, acc) -> jax.Array:
     XLA:CPU has no kernel for this head-batched product with bfloat16 operands and a float32
     result once T * N reaches a few rows ("Unsupported element type for DotThunk::Execute: BF16
     x BF16 = F32", jax 0.10): a bfloat16 model failed every verify window of 8+ tokens and
-    every prefix-hit prefill there. On CPU the operands go to `acc` first, which is exact
-    (bfloat16 values are float32 values); elsewhere the product keeps its bfloat16 inputs."""
+    every prefill chunk of 8+ tokens after a prompt's first (long prompts, prefix hits). On
+    CPU the operands go to `acc` first, which is exact (bfloat16 values are float32 values);
+    elsewhere the product keeps its bfloat16 inputs."""
     if jax.default_backend() == "cpu":
         return jnp.einsum("btnp,npl->btnl", q_nope.astype(acc), w_uk.astype(acc))
     return jnp.einsum("btnp,npl->btnl", q_nope, w_uk, preferred_element_type=acc)

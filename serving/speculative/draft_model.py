@@ -262,9 +262,7 @@ class DraftModelDrafter(Drafter):
         # not: their KV is in the pages, lags included (`_flush_lags`).
         if track is not None and not (self.has_state and (np.asarray(track[1]) >= 0).any()):
             track = NO_TRACK
-        resting = ~self._model_rows
-        if self._window is not None:
-            resting &= ~self._window[0]
+        lookup_rows = None if self._window is None else self._window[0]
         if self._per_step is not None:
             rows = self._model_rows
             self.cache = _rollback(self.cache, self._per_step, slots, commit_lens, rows, track)
@@ -276,4 +274,5 @@ class DraftModelDrafter(Drafter):
             )
             self._window = None
         if track is not NO_TRACK:
-            self.cache = _track_resting(self.cache, slots, resting, commit_lens, track)
+            drafted = self._model_rows if lookup_rows is None else self._model_rows | lookup_rows
+            self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)

@@ -879,20 +879,23 @@ def test_kda_draft_snapshots_at_track_points(model):
     hit restores that slot into both caches; left unwritten, the draft restarted from a stale
     state and accepted 6 of 67 drafts after a hit instead of all. The target drafts for itself,
     so both caches must hold the same state there, and a request extending A's text, hit at
-    64, accepts every draft."""
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    prompts = {"A": list(range(3, 43)), "L": list(range(44, 84)), "R": list(range(85, 125))}
+    64, accepts every draft. (Lookup and model windows are 3 drafts wide alike: fewer
+    programs to compile.)"""
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    prompts = {"A": list(range(3, 59)), "L": list(range(60, 116)), "R": list(range(130, 186))}
     shapes = {**SHAPES, "num_pages": 64}
     plain_llm = LLM(model, **shapes)
     plain = plain_llm.generate(list(prompts.values()), params, use_tqdm=False)
     truth = {tuple(p): o.token_ids for p, o in zip(prompts.values(), plain, strict=True)}
-    llm = LLM(model, speculative=_lookup_spec(model), **shapes)
+    spec = {**_lookup_spec(model), "num_draft_tokens": 3, "prompt_lookup_num_tokens": 3}
+    llm = LLM(model, speculative=spec, **shapes)
     assert llm.prefix_cache is not None and llm.track_interval == 64
-    llm.runner.drafter.lookup = _LookupFor({44}, truth, model.config.vocab_size, lambda p: False)
+    llm.runner.drafter.lookup = _LookupFor({60}, truth, model.config.vocab_size, lambda p: False)
     max_drafts = llm.scheduler._max_drafts
-    rests = lambda request, room: (
-        0 if request.prompt_token_ids[0] == 85 else max_drafts(request, room)
-    )  # noqa: E731
+
+    def rests(request, room):
+        return 0 if request.prompt_token_ids[0] == 130 else max_drafts(request, room)
+
     llm.scheduler._max_drafts = rests
     out = llm.generate(list(prompts.values()), params, use_tqdm=False)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
