@@ -189,10 +189,24 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
         budget = self._schedule_running(out, budget, decodes=False)
         self._admit(out, budget)
         if out.prefill and not self.speculative:
-            out.decode_steps = [1] * len(out.decode)
+            self._one_step_decodes(out)
         self._place(out)
         self._in_flight = not out.is_empty
         return out
+
+    def _one_step_decodes(self, out: SchedulerOutput) -> None:
+        """A step with prefill chunks runs one decode step per decode row. A snapshot planned
+        at the end of a row's fused steps (a track point) is then not reached and goes (its
+        slot back to the pool); the row's next steps end on the point again (`_cut_at_track`).
+        Keeping it inserted a depth the step never computed, and the step failed ("donated
+        depth ... is not a multiple of ..."). A row whose one step ends on the point keeps it."""
+        reached = {r.request_id: r.num_computed_tokens + 1 for r in out.decode}
+        for snapshot in list(out.snapshots):
+            rid, slot, depth = snapshot
+            if rid in reached and depth > reached[rid]:
+                out.snapshots.remove(snapshot)
+                self.prefix_cache.release_slot(slot)
+        out.decode_steps = [1] * len(out.decode)
 
     # ---- placement -----------------------------------------------------------------------
 

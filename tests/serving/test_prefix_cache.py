@@ -203,6 +203,30 @@ def test_dcp4_and_speculation_with_cache(model, reference):
         assert_drained(llm)
 
 
+def test_fused_decode_beside_a_prefill_donates_where_its_step_ends(model):
+    """Fused decode (4 steps) plans a snapshot where its steps end on a track point; a step
+    that also prefills runs one decode step per row. A (60 tokens) and C (63) decode while
+    B's 80 tokens prefill in chunks: A's fused steps would end on 64, a depth that step does
+    not reach (keeping its snapshot failed the step, and every request in it), while C's one
+    step does end on 64 and keeps its snapshot. Both donate a checkpoint at 64."""
+    llm = LLM(model, num_scheduler_steps=4, **SHAPES)
+    a = [(7 * i) % 250 + 3 for i in range(60)]
+    c = [(13 * i) % 230 + 4 for i in range(63)]
+    b = [(11 * i) % 240 + 5 for i in range(80)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([a, c, b], params, use_tqdm=False)
+    assert [o.error for o in outs] == [None, None, None]
+    plain = LLM(model, enable_prefix_caching=False, **SHAPES)
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in plain.generate([a, c, b], params, use_tqdm=False)
+    ]
+    for prompt, out in zip((a, c), outs, strict=False):
+        hit = llm.prefix_cache.lookup(prompt + out.token_ids)
+        llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+        assert hit.depth == 64 and hit.checkpoint is not None, len(prompt)
+    assert_drained(llm)
+
+
 def test_eviction_under_a_small_pool_keeps_outputs(model):
     """Two 200-token prompts: the first donates 48 pages of 63, the second needs 51, so the
     tree gives pages back; outputs stay those of a cold engine."""
