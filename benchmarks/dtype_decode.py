@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = rows[0]["decode_tok_s"]
     for row in rows:
         row["vs_float32_plain"] = row["decode_tok_s"] / base
-    for row in rows[1::2]:
-        row["vs_own_plain"] = row["decode_tok_s"] / rows[rows.index(row) - 1]["decode_tok_s"]
+    for plain_row, ngram_row in zip(rows[::2], rows[1::2], strict=True):
+        ngram_row["vs_own_plain"] = ngram_row["decode_tok_s"] / plain_row["decode_tok_s"]
     columns = ["dtype", "config", "decode_tok_s", "vs_float32_plain", "vs_own_plain"]
     print_table(rows, columns + ["identical_to_its_plain"])
     meta = {"prompts": len(prompts), "prompt_len": 128, "max_tokens": n, "B": 1, "k": a.k}

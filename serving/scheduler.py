@@ -189,24 +189,15 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
         budget = self._schedule_running(out, budget, decodes=False)
         self._admit(out, budget)
         if out.prefill and not self.speculative:
-            self._one_step_decodes(out)
+            out.decode_steps = [1] * len(out.decode)
+        # Track points on the steps as they run: beside a prefill a decode row runs one step,
+        # and a snapshot planned at the end of its fused steps named a depth the step never
+        # computed ("donated depth ... is not a multiple of ...", the whole step failed).
+        for request, steps in zip(out.decode, out.decode_steps, strict=True):
+            self._plan_track(out, request, steps)
         self._place(out)
         self._in_flight = not out.is_empty
         return out
-
-    def _one_step_decodes(self, out: SchedulerOutput) -> None:
-        """A step with prefill chunks runs one decode step per decode row. A snapshot planned
-        at the end of a row's fused steps (a track point) is then not reached and goes (its
-        slot back to the pool); the row's next steps end on the point again (`_cut_at_track`).
-        Keeping it inserted a depth the step never computed, and the step failed ("donated
-        depth ... is not a multiple of ..."). A row whose one step ends on the point keeps it."""
-        reached = {r.request_id: r.num_computed_tokens + 1 for r in out.decode}
-        for snapshot in list(out.snapshots):
-            rid, slot, depth = snapshot
-            if rid in reached and depth > reached[rid]:
-                out.snapshots.remove(snapshot)
-                self.prefix_cache.release_slot(slot)
-        out.decode_steps = [1] * len(out.decode)
 
     # ---- placement -----------------------------------------------------------------------
 
@@ -246,7 +237,6 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
                 out.decode_steps.append(length)
                 if self.speculative:
                     out.max_drafts.append(self._max_drafts(request, length - 1))
-                self._plan_track(out, request, length)
             else:
                 budget -= length
                 out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))

@@ -43,15 +43,13 @@ from serving.speculative.lag import Lag
 from serving.speculative.verify import track_rows, write_track
 from serving.state_pool import copy_slots, reset_cache_slots
 
-NO_TRACK = None  # `track` of a window in which the target snapshots no row
-
 
 def _commit(cache, per_step, slots, n, track, after):
     """Commit step n[b] - 1 of the window into each row's slot and, with `track` = (track
     slots, track steps [B], -1: none), the state after the track step into the track slot,
     as the target's verify does for the prefix cache (rows whose step is not below n write
     nothing there)."""
-    if track is NO_TRACK:
+    if track is None:
         return commit_kda(cache, per_step, slots, n, after=after)
     track_slots, track_steps = track
     snaps = track_rows(per_step, track_steps, n)
@@ -61,17 +59,17 @@ def _commit(cache, per_step, slots, n, track, after):
 
 def _only(rows, track):
     """`track` for the rows `rows` alone (the others: no track step)."""
-    return NO_TRACK if track is NO_TRACK else (track[0], jnp.where(rows, track[1], -1))
+    return None if track is None else (track[0], jnp.where(rows, track[1], -1))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _rollback(cache, per_step, slots, commit_lens, model_rows, track=NO_TRACK):
+def _rollback(cache, per_step, slots, commit_lens, model_rows, track=None):
     # Lookup rows ran no step in the window: n = 0 keeps their slot as it was.
     n = jnp.where(model_rows, commit_lens, 0)
     return _commit(cache, per_step, slots, n, _only(model_rows, track), after=None)
 
 
-def _write(graphdef, params, ids, cache, batch: Batch, track=NO_TRACK):
+def _write(graphdef, params, ids, cache, batch: Batch, track=None):
     # A window pass and its commit, as in the target's verify: on the built-in draft it took
     # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
     logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
@@ -82,7 +80,7 @@ _write_lag = jax.jit(_write, static_argnames=("graphdef",), donate_argnames=("ca
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, track=NO_TRACK):
+def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, track=None):
     """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
     become padding rows: slot and pages null, length 0, so nothing of theirs is written)."""
     pad = jnp.zeros_like(batch.slots)
@@ -180,9 +178,10 @@ class DraftModelDrafter(Drafter):
         tokens = self._model_drafts(last, batch, steps, k_model)
         if self._window is None:
             return (np.zeros((b, k), np.int32) if tokens is None else tokens), num
-        drafts = self._window[1][:, 1:].copy()
-        if tokens is not None:
-            drafts[model_rows, :k_model] = np.asarray(tokens)[model_rows]
+        drafts = self._window[1][:, 1:]
+        if tokens is not None:  # on device: the verify reads the drafts without a host sync
+            padded = jnp.pad(tokens, ((0, 0), (0, k - k_model)))
+            drafts = jnp.where(jnp.asarray(model_rows)[:, None], padded, drafts)
         return drafts, num
 
     def _look_up(self, requests, max_drafts, b: int) -> list[list[int]]:
@@ -260,8 +259,8 @@ class DraftModelDrafter(Drafter):
         # A draft with KDA layers snapshots its state where the target does (`track`), for a
         # prefix hit restores the checkpoint slot in both caches. Attention-only drafts need
         # not: their KV is in the pages, lags included (`_flush_lags`).
-        if track is not None and not (self.has_state and (np.asarray(track[1]) >= 0).any()):
-            track = NO_TRACK
+        if not self.has_state:
+            track = None
         lookup_rows = None if self._window is None else self._window[0]
         if self._per_step is not None:
             rows = self._model_rows
@@ -273,6 +272,6 @@ class DraftModelDrafter(Drafter):
                 self.graphdef, self.params, window, self.cache, batch, rows, commit_lens, track
             )
             self._window = None
-        if track is not NO_TRACK:
+        if track is not None:
             drafted = self._model_rows if lookup_rows is None else self._model_rows | lookup_rows
             self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)
