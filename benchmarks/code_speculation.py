@@ -1,6 +1,8 @@
 """Speculative decoding on code continuation with the built-in models: plain greedy decoding,
-n-gram (prompt lookup), the built-in draft model, and the draft model with lookup first
-(`prompt_lookup_num_tokens`), batch 1, same run, same prompts.
+n-gram (prompt lookup), n-gram with a corpus table where the context does not recur
+(`corpus`, the standard library's training split by default), the built-in draft model, and
+the draft model with lookup first (`prompt_lookup_num_tokens`), batch 1, same run, same
+prompts.
 
 Prompts: the first `--prompt-len` tokens of each held-out standard-library file the model's
 `data.json` lists (files shorter than prompt + `--max-tokens` tokens are skipped), at most
@@ -31,6 +33,7 @@ from kimi_linear_jax import corpus  # noqa: E402
 from kimi_linear_jax.checkpoint import BUILTIN_MODEL  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from serving.speculative.ngram_table import table_from_corpus  # noqa: E402
 
 SPEC_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "steps")
 
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lookup-k", type=int, default=8, help="draft+lookup: lookup drafts")
     p.add_argument("--lookup-model-k", type=int, default=2, help="draft+lookup: model drafts")
     p.add_argument("--out", help="directory for the JSON (default: benchmarks/results)")
+    p.add_argument(
+        "--corpus", default="stdlib", help="ngram+corpus: the corpus ('' leaves the row out)"
+    )
+    p.add_argument("--corpus-k", type=int, default=2, help="ngram+corpus: corpus drafts")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
@@ -109,6 +116,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     configs = {
         "plain": LLM(**shapes),
         "ngram": LLM(speculative={"method": "ngram", **knobs}, **shapes),
+    }
+    if a.corpus:  # built once, shared: tokenizing the standard library takes seconds
+        table = table_from_corpus(a.corpus, configs["plain"].tokenizer)
+        corpus = {"corpus": table, "corpus_num_tokens": a.corpus_k}
+        configs["ngram+corpus"] = LLM(speculative={"method": "ngram", **knobs, **corpus}, **shapes)
+    configs |= {
         "draft": LLM(speculative={"method": "draft_model", **knobs, **draft}, **shapes),
         "draft+lookup": LLM(speculative={**hybrid, **draft}, **shapes),
     }
@@ -116,7 +129,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
     )
     n = a.max_tokens
-    k_of = {"plain": 0, "draft+lookup": f"{a.lookup_model_k} / {a.lookup_k}"}  # else --k
+    k_of = {
+        "plain": 0,
+        "draft+lookup": f"{a.lookup_model_k} / {a.lookup_k}",
+        "ngram+corpus": f"{a.k} / {a.corpus_k}",
+    }  # else --k
     best = best_runs(configs, prompts, n, a.repeats)
     rows = []
     for name in configs:
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta["min_acceptance"] = a.min_acceptance
     meta["draft_model"] = a.draft_model or "built-in"
     meta["draft+lookup k"] = f"model {a.lookup_model_k}, lookup {a.lookup_k}"
+    meta["ngram+corpus"] = f"{a.corpus or 'off'}, corpus drafts {a.corpus_k}"
     print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta, a.out))
     return rows
 

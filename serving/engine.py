@@ -51,6 +51,7 @@ from serving.scheduler import Scheduler
 from serving.speculative.config import SpeculativeConfig
 from serving.speculative.draft_model import DraftModelDrafter
 from serving.speculative.ngram import NgramDrafter
+from serving.speculative.ngram_table import NgramTable, table_from_corpus
 from serving.speculative.track import resolve_track_interval
 from serving.state_pool import StatePool
 from serving.step_result import InFlight
@@ -386,7 +387,15 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
         if spec is None:
             return None
         if spec.method == "ngram":
-            return NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+            table = spec.corpus
+            if table is not None and not isinstance(table, NgramTable):
+                table = table_from_corpus(table, self.tokenizer)
+            return NgramDrafter(
+                spec.prompt_lookup_max,
+                spec.prompt_lookup_min,
+                table,
+                min(spec.corpus_num_tokens, spec.num_draft_tokens),
+            )
         lookup = None
         if spec.prompt_lookup_num_tokens:
             lookup = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)

@@ -73,6 +73,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="draft_model: draft up to N tokens by prompt lookup where the context recurs",
     )
+    spec.add_argument(
+        "--speculative-corpus",
+        default=None,
+        help="ngram: a corpus (stdlib, a file or a directory) whose n-grams draft where the "
+        "request's own tokens do not recur",
+    )
+    spec.add_argument("--corpus-num-tokens", type=int, default=2, help="ngram: corpus drafts")
     hosts = p.add_argument_group(
         "several processes (hosts): one mesh over all their devices; run the same command on "
         "each, with its own --process-id (or set KIMI_COORDINATOR_ADDRESS, KIMI_NUM_PROCESSES, "
@@ -117,6 +124,8 @@ def llm_from_args(args):
             "prompt_lookup_max": args.prompt_lookup_max,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
+            "corpus": args.speculative_corpus,
+            "corpus_num_tokens": args.corpus_num_tokens,
         }
     return LLM(
         args.model,

@@ -41,6 +41,8 @@ class MetricsMixin:
             )
             if self.speculative.prompt_lookup_num_tokens:  # of spec_draft_tokens
                 out["spec_lookup_draft_tokens"] = self.runner.drafter.lookup_draft_tokens
+            if self.speculative.corpus is not None:  # of spec_draft_tokens
+                out["spec_corpus_draft_tokens"] = self.runner.drafter.table_draft_tokens
         if self.async_scheduling:
             out["overlapped_steps"] = self._overlapped
         if self.prefix_cache is not None:

@@ -396,7 +396,8 @@ class ModelRunner:
         self.spec_counts["verify_rows"] += n
         for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
             result.samples[r.request_id] = row[: commit_lens[i]]
-            result.num_drafts[r.request_id] = int(num[i])
+            gated = r.request_id not in self.drafter.ungated
+            result.num_drafts[r.request_id] = int(num[i]) if gated else 0
 
     def _draftless(self, output: SchedulerOutput, batch, result: StepResult) -> None:
         """No row drafted (adaptive drafting stopped them all): the window is each row's last

@@ -41,6 +41,11 @@ class Tokenizer(abc.ABC):
         """Ids for `text`. Special-token strings in it become their ids, unless
         `parse_special=False`: then they are encoded as the plain text they are."""
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each of `texts`, documents rather than prompts: special-token strings are
+        plain text. Kinds with a parallel encoder override this."""
+        return [self.encode(text, parse_special=False) for text in texts]
+
     @abc.abstractmethod
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid UTF-8 becomes U+FFFD."""

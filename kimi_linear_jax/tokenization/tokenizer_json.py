@@ -57,6 +57,15 @@ class HFTokenizer(Tokenizer):
         finally:
             self._tokenizer.encode_special_tokens = False
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # The library encodes a batch on every core (a corpus of millions of tokens: seconds).
+        self._tokenizer.encode_special_tokens = True
+        try:
+            encoded = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        finally:
+            self._tokenizer.encode_special_tokens = False
+        return [e.ids for e in encoded]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         chunks = []
         for is_text, group in _runs(self._decodable(ids, skip_special_tokens)):

@@ -28,6 +28,11 @@ class SpeculativeConfig:
     # long and free and the model's are short, so each gets its own window width
     # (benchmarks/RESULTS.md, "lookup first").
     prompt_lookup_num_tokens: int = 0
+    # ngram only: a corpus whose n-grams draft where the request's own tokens do not recur
+    # ("stdlib": the interpreter's standard library, training split; a file or directory; or
+    # a built `NgramTable`), up to `corpus_num_tokens` drafts; None: prompt lookup alone.
+    corpus: object = None
+    corpus_num_tokens: int = 2
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -67,6 +72,11 @@ class SpeculativeConfig:
                 "speculative prompt_lookup_num_tokens is for method 'draft_model' (the n-gram "
                 "method drafts num_draft_tokens by lookup)"
             )
+        if self.corpus is not None and self.method != "ngram":
+            raise ValueError("speculative corpus is for method 'ngram'")
+        corpus_k = self.corpus_num_tokens
+        if not isinstance(corpus_k, int) or not 1 <= corpus_k <= 16:
+            raise ValueError(f"speculative corpus_num_tokens must be in [1, 16], got {corpus_k}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(
                 f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}"

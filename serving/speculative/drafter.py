@@ -16,6 +16,10 @@ import numpy as np
 class Drafter:
     """Base: a host drafter proposing from the request's tokens."""
 
+    # Requests whose drafts of the last `propose` do not count toward adaptive drafting
+    # (`min_acceptance`): drafts a drafter gates by its own statistics.
+    ungated: frozenset = frozenset()
+
     def propose_tokens(self, request, max_drafts: int) -> list[int]:
         """Up to `max_drafts` draft tokens continuing `request.all_token_ids`."""
         raise NotImplementedError

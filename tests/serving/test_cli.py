@@ -159,6 +159,16 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
             "drafts for the built-in default model only",
         ),
         (["--prompt-ids", "1", "--track-interval", "48"], "multiple of the checkpoint grid 64"),
+        (
+            ["--model", "{ckpt}", "--prompt-ids", "1", "--speculative-method", "ngram"]
+            + ["--speculative-corpus", "{ckpt}/config.json"],
+            "speculative corpus needs a tokenizer",
+        ),
+        (
+            ["--prompt-ids", "1", "--speculative-method", "ngram"]
+            + ["--speculative-corpus", "{tmp}/none", "--corpus-num-tokens", "2"],
+            "none' is neither a file nor a directory",
+        ),
         (["--prompt-ids", "1", "--num-processes", "2"], "missing --coordinator-address"),
         (
             [

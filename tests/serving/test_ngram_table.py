@@ -1,0 +1,188 @@
+"""The corpus n-gram table (`serving/speculative/ngram_table.py`) against counting loops, and
+the n-gram drafter with a corpus in the engine: greedy output unchanged, table drafts in
+windows of their own width."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimi_linear_jax import corpus
+from kimi_linear_jax.checkpoint import BUILTIN_MODEL
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
+from kimi_linear_jax.tokenizer import load_tokenizer
+from serving.engine import LLM
+from serving.sampling import SamplingParams
+from serving.speculative.ngram_table import (
+    NgramTable,
+    corpus_texts,
+    ngram_table_reference,
+    table_from_corpus,
+)
+
+
+def _as_dict(table: NgramTable, n: int) -> dict[tuple[int, ...], int]:
+    keys, followers = table.tables[n]
+    mask = (1 << table.bits) - 1
+    out = {}
+    for key, token in zip(keys.tolist(), followers.tolist(), strict=True):
+        out[tuple((key >> (table.bits * (n - 1 - j))) & mask for j in range(n))] = token
+    return out
+
+
+def _chain_reference(refs: dict[int, dict], tokens: list[int], k: int) -> list[int]:
+    """Each draft: the follower of the longest known context of the tokens so far."""
+    seq, out = list(tokens), []
+    while len(out) < k:
+        for n in sorted(refs, reverse=True):
+            if len(seq) >= n and tuple(seq[-n:]) in refs[n]:
+                out.append(refs[n][tuple(seq[-n:])])
+                seq.append(out[-1])
+                break
+        else:
+            break
+    return out
+
+
+def test_table_equals_its_reference():
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        vocab = 2 + trial % 6
+        streams = [
+            rng.integers(0, vocab, size=int(rng.integers(0, 60))).tolist()
+            for _ in range(int(rng.integers(1, 4)))
+        ]
+        streams[0] = streams[0] or [0]
+        min_count, min_share = int(rng.integers(1, 4)), float(rng.choice([0.0, 0.3, 0.5, 0.9]))
+        table = NgramTable(streams, (1, 2, 3), min_count, min_share)
+        refs = {n: ngram_table_reference(streams, n, min_count, min_share) for n in (1, 2, 3)}
+        for n in (1, 2, 3):
+            assert _as_dict(table, n) == refs[n], (trial, n)
+        for _ in range(5):
+            tokens = rng.integers(0, vocab + 1, size=int(rng.integers(0, 6))).tolist()
+            assert table.draft(tokens, 6) == _chain_reference(refs, tokens, 6), (trial, tokens)
+
+
+def test_table_drafts_by_majority_and_backs_off():
+    # (1, 2) went on with 3 twice and 4 once; (2, 3) with 5 twice; 9 was never followed.
+    streams = [[1, 2, 3, 5], [1, 2, 3, 5, 1, 2, 4, 9]]
+    table = NgramTable(streams, (2, 1), min_count=1, min_share=0.0)
+    assert table.draft([7, 1, 2], 8) == [3, 5, 1, 2, 3, 5, 1, 2]
+    # Context (8, 2) is unseen: 2 alone is (followed by 3 twice, 4 once).
+    assert table.draft([8, 2], 2) == [3, 5]
+    assert table.draft([4, 9], 3) == []
+    # Ids beyond the corpus's (and so beyond its packing) match nothing.
+    assert table.next_token([1, 1 << 20]) is None
+    # Windows never cross documents: (5, 1) only occurs inside the second stream.
+    assert _as_dict(table, 2)[(5, 1)] == 2
+    assert (3, 1) not in _as_dict(NgramTable([[1, 3], [1, 3]], (2,), 1, 0.0), 2)
+
+
+def test_table_thresholds():
+    streams = [[1, 2, 1, 2, 1, 3, 1, 4]]  # 1 -> 2, 2, 3, 4: the 2s hold half
+    assert NgramTable(streams, (1,), min_count=2, min_share=0.5).next_token([1]) == 2
+    assert NgramTable(streams, (1,), min_count=2, min_share=0.6).next_token([1]) is None
+    # 3 was followed once: kept from min_count 1 only.
+    assert NgramTable(streams, (1,), min_count=1, min_share=0.0).next_token([3]) == 1
+    assert NgramTable(streams, (1,), min_count=2, min_share=0.0).next_token([3]) is None
+
+
+@pytest.mark.parametrize(
+    ("streams", "orders", "match"),
+    [
+        ([[]], (2,), "at least one non-empty token stream"),
+        ([[1, -2]], (2,), "must be >= 0"),
+        ([[1 << 20]], (4,), r"pack into 64 bits \(21 bits per token: at most 3 tokens\)"),
+        ([[1, 2]], (0,), "must be >= 1"),
+    ],
+)
+def test_bad_table(streams, orders, match):
+    with pytest.raises(ValueError, match=match):
+        NgramTable(streams, orders)
+
+
+def test_table_from_a_corpus_directory(tmp_path):
+    tokenizer = load_tokenizer(BUILTIN_MODEL, 4096)
+    texts = {"a.py": "def f(self):\n    return self.x\n", "b/c.py": "import os\nimport sys\n"}
+    for name, text in texts.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "skip.bin").write_bytes(b"\x00")
+    table = table_from_corpus(tmp_path, tokenizer)
+    eos = tokenizer.eos_token_ids[0]
+    streams = [tokenizer.encode(t, parse_special=False) + [eos] for t in texts.values()]
+    assert tokenizer.encode_batch(list(texts.values())) == [s[:-1] for s in streams]
+    for n in table.orders:
+        assert _as_dict(table, n) == ngram_table_reference(streams, n)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        table_from_corpus(tmp_path, None)
+
+
+def test_stdlib_corpus_is_the_training_split():
+    train, held = corpus.split(corpus.documents(corpus.STDLIB))
+    texts = corpus_texts(corpus.STDLIB)
+    assert texts == list(train.values())
+    assert held and not set(held.values()) & set(texts)
+
+
+# ---- in the engine ------------------------------------------------------------------------------
+
+SHAPES = dict(num_pages=40, page_size=4, max_num_seqs=2, batch_buckets=(2,), chunk_size=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# No suffix of these recurs in them, so prompt lookup has nothing: every draft is the table's.
+PROMPTS = [[3, 17, 29, 41, 53], [60, 71, 82, 93, 104, 115]]
+
+
+def test_ngram_with_a_corpus_greedy_equals_plain():
+    model = random_model(preset("tiny"))
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # A corpus that holds the first continuation (drafts accepted) and a wrong one for the
+    # second (drafts rejected).
+    wrong = [(t + 1) % model.config.vocab_size for t in plain[1]]
+    table = NgramTable([PROMPTS[0] + plain[0], PROMPTS[1] + wrong], (2,), 1, 0.0)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "corpus": table, "corpus_num_tokens": 2}
+    llm = LLM(model, speculative={**spec, "min_acceptance": 0.0}, **SHAPES)
+    widths, propose = [], llm.runner.drafter.propose
+
+    def recording_propose(*a, **kw):
+        drafts, num = propose(*a, **kw)
+        widths.append(drafts.shape[1])
+        return drafts, num
+
+    llm.runner.drafter.propose = recording_propose
+    out = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert out == plain
+    metrics = llm.metrics()
+    assert metrics["spec_corpus_draft_tokens"] == metrics["spec_draft_tokens"] > 0
+    assert metrics["spec_accepted_tokens"] > 0
+    assert set(widths) == {2}  # table drafts only: windows of 3, not 5
+
+    # A table with a draft for every token, nearly always wrong (t -> t + 1): its drafts do
+    # not count toward adaptive drafting, so with the default min_acceptance the requests
+    # draft as often as when they always draft (counted in, they would rest after 4 windows).
+    vocab = model.config.vocab_size
+    spec["corpus"] = NgramTable([list(range(vocab)) + [0]], (1,), 1, 0.0)
+    drafted = []
+    for min_acceptance in (0.0, 0.25):
+        llm = LLM(model, speculative={**spec, "min_acceptance": min_acceptance}, **SHAPES)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain
+        drafted.append(llm.metrics()["spec_corpus_draft_tokens"])
+    assert drafted[0] == drafted[1] >= 2 * 2 * 8
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"method": "draft_model", "corpus": "stdlib"}, "corpus is for method 'ngram'"),
+        (
+            {"method": "ngram", "corpus": "stdlib", "corpus_num_tokens": 0},
+            r"corpus_num_tokens must be in \[1, 16\], got 0",
+        ),
+        ({"method": "ngram", "corpus": "stdlib"}, "needs a tokenizer"),
+        ({"method": "ngram", "corpus": "/no/such/dir"}, "neither a file nor a directory"),
+    ],
+)
+def test_bad_corpus_config(spec, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        LLM(random_model(preset("tiny")), speculative=spec, **SHAPES)
