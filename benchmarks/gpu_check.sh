@@ -19,8 +19,9 @@
 #   2. nvidia-smi (<= 20 s) GPU, driver, clocks, memory in use.
 #   3. pytest   (<= 150 s) `pytest -q -m gpu tests/kernels -x` with JAX_PLATFORMS=cuda: the
 #                          compiled Triton kernel against the reference at the release dims.
-#   4. speculation (<= 120 s) `benchmarks/code_speculation.py --k 8 --prompts 3`: plain, n-gram,
-#                          draft model and lookup first on the built-in models (issue 15's goals).
+#   4. speculation (<= 120 s) `benchmarks/code_speculation.py --k 8 --prompts 3`: plain,
+#                          n-gram, n-gram + corpus, draft model and lookup first on the
+#                          built-in models (issue 15's goals).
 #   5. bench    (the rest, >= 150 s) `benchmarks/mla_decode.py --out OUTDIR` on the full grid
 #                          (B 1 16 64, ctx 4096 32768, T 1 4), told to start no config within
 #                          60 s of its timeout; it rewrites OUTDIR/mla_decode.json after every
