@@ -110,8 +110,8 @@ class NgramDrafter(Drafter):
 
     def propose(self, requests, max_drafts, batch, k: int, checkpointed=()):
         # The table's drafts are gated by its own thresholds, not by the request's acceptance:
-        # counted in, their misses stopped the prompt lookup's long windows too (1.24x
-        # against 1.27x for lookup alone; with them left out, RESULTS.md "corpus n-grams").
+        # counted in, their misses made requests rest, which stopped the prompt lookup's long
+        # windows too (1.24x against the lookup alone's 1.27x; RESULTS.md, "corpus n-grams").
         self.ungated = frozenset()
         drafts, num = super().propose(requests, max_drafts, batch, k, checkpointed)
         # Table drafts are short: a window holding only those is that wide, not k + 1 (a
