@@ -395,6 +395,7 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
                 spec.prompt_lookup_min,
                 table,
                 min(spec.corpus_num_tokens, spec.num_draft_tokens),
+                spec.min_acceptance,
             )
         lookup = None
         if spec.prompt_lookup_num_tokens:

@@ -49,6 +49,8 @@ class Request:
     spec_acceptance: float = 1.0
     spec_skipped: int = 0
     spec_probe_after: int = 0
+    # What a drafter keeps per request (the n-gram drafter: its corpus table's record).
+    drafter_state: object = None
 
     @property
     def num_tokens(self) -> int:

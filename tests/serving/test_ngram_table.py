@@ -4,6 +4,8 @@ windows of their own width."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import load_tokenizer
 from serving.engine import LLM
 from serving.sampling import SamplingParams
+from serving.speculative.ngram import NgramDrafter
 from serving.speculative.ngram_table import (
     NgramTable,
     corpus_texts,
@@ -126,6 +129,30 @@ def test_stdlib_corpus_is_the_training_split():
     assert held and not set(held.values()) & set(texts)
 
 
+def test_table_acceptance_record():
+    table = NgramTable([[1, 2, 3, 4, 5, 6]], (1,), 1, 0.0)  # t -> t + 1 for 1..5
+    drafter = NgramDrafter(3, 2, table, 2, min_acceptance=0.5)
+    request = types.SimpleNamespace(request_id=0, all_token_ids=[9, 1], drafter_state=None)
+
+    def propose(*new_tokens):
+        request.all_token_ids += list(new_tokens)
+        return drafter.propose_tokens(request, 4)
+
+    assert propose() == [2, 3]
+    record = request.drafter_state
+    assert propose(2, 7) == []  # 2 accepted, 3 not: half; 7 is not in the table
+    assert record.acceptance == pytest.approx(0.85)
+    assert propose(8) == [] and record.acceptance == pytest.approx(0.85)  # scored once only
+    assert propose(1) == [2, 3]
+    assert propose(5) == [6]  # both missed: 0.595, still drafting
+    assert record.acceptance == pytest.approx(0.595)
+    assert propose(1) == []  # 6 missed: 0.4165, below 0.5: the table rests ...
+    assert record.acceptance == pytest.approx(0.4165)
+    # (New pairs of tokens, so that the prompt lookup finds nothing; the table knows 3.)
+    assert [propose(100 + i, 3) for i in range(14)] == [[]] * 14
+    assert propose(200, 3) == [4, 5]  # ... and probes at the 16th proposal
+
+
 # ---- in the engine ------------------------------------------------------------------------------
 
 SHAPES = dict(num_pages=40, page_size=4, max_num_seqs=2, batch_buckets=(2,), chunk_size=16)
@@ -158,17 +185,30 @@ def test_ngram_with_a_corpus_greedy_equals_plain():
     assert metrics["spec_accepted_tokens"] > 0
     assert set(widths) == {2}  # table drafts only: windows of 3, not 5
 
-    # A table with a draft for every token, nearly always wrong (t -> t + 1): its drafts do
-    # not count toward adaptive drafting, so with the default min_acceptance the requests
-    # draft as often as when they always draft (counted in, they would rest after 4 windows).
+
+def test_failing_table_drafts_stop_alone():
+    """A table with a draft for every token, nearly always wrong (t -> t + 1): with the default
+    `min_acceptance` its own acceptance stops it after 4 windows (of the 15 steps it could
+    draft at), while the prompt lookup drafts exactly as it does with no table: the table's
+    misses do not make the request rest."""
+    model = random_model(preset("tiny"))
+    # Lookup of the last token alone, and a prompt of many ids: where an output id is in it,
+    # the prompt lookup drafts.
+    prompts = [PROMPTS[0], list(range(100, 160))]
+    plain = [o.token_ids for o in LLM(model, **SHAPES).generate(prompts, GREEDY, use_tqdm=False)]
     vocab = model.config.vocab_size
-    spec["corpus"] = NgramTable([list(range(vocab)) + [0]], (1,), 1, 0.0)
-    drafted = []
-    for min_acceptance in (0.0, 0.25):
-        llm = LLM(model, speculative={**spec, "min_acceptance": min_acceptance}, **SHAPES)
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain
-        drafted.append(llm.metrics()["spec_corpus_draft_tokens"])
-    assert drafted[0] == drafted[1] >= 2 * 2 * 8
+    wrong = NgramTable([list(range(vocab)) + [0]], (1,), 1, 0.0)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "corpus_num_tokens": 2}
+    spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 1}
+    metrics = {}
+    for name, extra in {"gated": {"corpus": wrong}, "no table": {}}.items():
+        llm = LLM(model, speculative={**spec, **extra}, **SHAPES)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+        metrics[name] = llm.metrics()
+    gated = metrics["gated"]
+    assert 0 < gated["spec_corpus_draft_tokens"] <= 2 * 2 * 4  # 4 windows per request at most
+    lookup = gated["spec_draft_tokens"] - gated["spec_corpus_draft_tokens"]
+    assert lookup == metrics["no table"]["spec_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize(
