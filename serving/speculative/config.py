@@ -72,6 +72,8 @@ class SpeculativeConfig:
                 "speculative prompt_lookup_num_tokens is for method 'draft_model' (the n-gram "
                 "method drafts num_draft_tokens by lookup)"
             )
+        if self.corpus == "":  # "" would read the working directory as the corpus
+            raise ValueError("speculative corpus must name a corpus, got ''")
         if self.corpus is not None and self.method != "ngram":
             raise ValueError("speculative corpus is for method 'ngram'")
         corpus_k = self.corpus_num_tokens

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kimi_linear_jax import corpus
+
 # Defaults chosen on the replay (RESULTS.md): contexts of 3 tokens, then 2; a context must
 # have been seen twice, and its most frequent follower must hold 30% of what followed it.
 ORDERS = (3, 2)
@@ -128,7 +130,7 @@ class NgramTable:
             if token is None:
                 break
             out.append(token)
-            seq = seq[1:] + [token] if len(seq) == self.orders[0] else seq + [token]
+            seq = (seq + [token])[-self.orders[0] :]
         return out
 
 
@@ -156,8 +158,6 @@ def corpus_texts(source: str | Path) -> list[str]:
     """The documents of a corpus: "stdlib" is the running interpreter's standard library,
     training split only (the built-in model's held-out files stay unseen); a directory or a
     file as `kimi-linear-jax train --data` reads it, every file."""
-    from kimi_linear_jax import corpus
-
     docs = corpus.documents(source)
     if str(source) == corpus.STDLIB:
         docs = corpus.split(docs)[0]

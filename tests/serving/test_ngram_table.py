@@ -220,6 +220,7 @@ def test_failing_table_drafts_stop_alone():
             r"corpus_num_tokens must be in \[1, 16\], got 0",
         ),
         ({"method": "ngram", "corpus": "stdlib"}, "needs a tokenizer"),
+        ({"method": "ngram", "corpus": ""}, "must name a corpus, got ''"),
         ({"method": "ngram", "corpus": "/no/such/dir"}, "neither a file nor a directory"),
     ],
 )
