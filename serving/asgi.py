@@ -70,13 +70,23 @@ class BackgroundServer:
     """uvicorn in a daemon thread on a free port (tests, benchmarks). Use as a context
     manager; `url` is the base URL."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", timeout_keep_alive: float = 600
+    ) -> None:
         # Bind here, before the thread starts, so the port is known and cannot be taken.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, 0))
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        # uvicorn closes an idle connection after 5 s by default. A client that reuses it just as
+        # it closes gets a reset, never a response (CI saw it when a test's offline reference
+        # compiled for about 5 s between two requests), so tests keep connections far longer.
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=timeout_keep_alive,
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True

@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle HTTP connection stays open; behind a load balancer, set it above "
+        "the balancer's idle timeout",
+    )
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
     s.set_defaults(func=cmd_serve)
 
@@ -67,6 +74,8 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0 or not args.request_timeout > 0:
         raise ValueError("--max-queue must be >= 0 and --request-timeout > 0")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be > 0, got {args.timeout_keep_alive:g}")
     llm = llm_from_args(args)
     if not _leader():  # requests reach process 0; the others replay its engine loop
         return _follow(llm)
@@ -75,6 +84,7 @@ def cmd_serve(args) -> int:
         llm,
         host=args.host,
         port=args.port,
+        timeout_keep_alive=args.timeout_keep_alive,
         model_name=name,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,

@@ -388,13 +388,22 @@ def build_app(llm: LLM, **kwargs) -> FastAPI:
     return server.app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
-    """Serve until interrupted (the `kimi-linear-jax serve` command)."""
+def serve(
+    llm: LLM,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    timeout_keep_alive: float = 5.0,
+    **kwargs,
+) -> None:
+    """Serve until interrupted (the `kimi-linear-jax serve` command). An idle connection closes
+    after `timeout_keep_alive` seconds (uvicorn's default, 5): a proxy that keeps connections
+    longer than the server may reuse one just as it closes, and its client sees a reset."""
     uvicorn.run(
         build_app(llm, **kwargs),
         host=host,
         port=port,
         log_level="info",
+        timeout_keep_alive=timeout_keep_alive,
         # SIGINT / SIGTERM: stop accepting, give running requests this long, then cancel them
         # (their handlers abort them in the engine) and stop the engine loop.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,

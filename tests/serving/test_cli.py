@@ -367,3 +367,19 @@ def test_serve_on_a_follower_out_of_step_exits_1_at_once(monkeypatch, capsys):
         main(["serve"])
     assert exited.value.args == (1,)
     assert "error: RuntimeError: process 0 stopped the engine: boom" in capsys.readouterr().err
+
+
+def test_serve_passes_the_keep_alive_and_refuses_a_bad_one(monkeypatch, capsys):
+    """`--timeout-keep-alive` reaches uvicorn; one that is not > 0 is refused before any model
+    loads."""
+    import serving.server
+
+    seen = {}
+    monkeypatch.setattr(cli, "llm_from_args", lambda args: "llm")
+    monkeypatch.setattr(cli, "_leader", lambda: True)
+    monkeypatch.setattr(serving.server, "serve", lambda llm, **kw: seen.update(kw))
+    assert run(capsys, "serve", "--timeout-keep-alive", "75")[0] == 0
+    assert seen["timeout_keep_alive"] == 75
+    rc, out, err = run(capsys, "serve", "--timeout-keep-alive", "0")
+    assert (rc, out) == (2, "")
+    assert "--timeout-keep-alive must be > 0, got 0" in err and "Traceback" not in err

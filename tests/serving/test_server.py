@@ -462,8 +462,9 @@ def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
 
     seen = {}
     monkeypatch.setattr(server_module.uvicorn, "run", lambda app, **kw: seen.update(kw))
-    server_module.serve(_engine_like(setup[2]), port=0)
+    server_module.serve(_engine_like(setup[2]), port=0, timeout_keep_alive=75)
     assert 0 < seen["timeout_graceful_shutdown"] <= 10
+    assert seen["timeout_keep_alive"] == 75
 
 
 def test_docs_are_off_unless_enabled(url, setup):
