@@ -75,12 +75,12 @@ def export(trainer: Trainer, state: dict, path: Path, dtype=jnp.float32) -> None
     save_pretrained(merge_params(graphdef, abstract, params), path)
 
 
-def initial_params(trainer: Trainer, state: dict, init) -> dict:
+def initial_params(trainer: Trainer, init) -> dict:
     """`init`'s parameters as the train state's (float32, on the state's shardings); its
-    parameter shapes must be the trained model's."""
+    parameter shapes must be the trained model's (checked before any state is built)."""
     _, params = split_params(init)
     have = jax.tree.map(np.shape, params)
-    want = jax.tree.map(np.shape, state["params"])
+    want = jax.tree.map(np.shape, trainer.abstract_state()["params"])
     if have != want:
         raise ValueError(
             "the model to start from has other parameter shapes than the one trained: "
@@ -164,13 +164,15 @@ def train(
     progress: bool = True,
     teacher=None,
     init=None,
+    devices=None,
 ) -> dict:
     """Train from scratch (or `resume` from `out/checkpoints`) until `max_steps`, `run_steps`
     more steps or the time budget; then save the train state and export the model, tokenizer
     and `data.json` (the split) to `out`. Returns the last log record. `teacher`: a model of
     the tokenizer's vocabulary to distill from (`Trainer`), instead of the data's next token.
     `init`: a model of the same shapes whose parameters a new run starts from (fine-tuning),
-    with a fresh optimizer and schedule."""
+    with a fresh optimizer and schedule. `devices`: where to train (data parallel over them at
+    tensor_parallel_size 1); all local devices by default."""
     out = Path(out)
     ckpt_dir = out / "checkpoints"
     if not resume and ckpt_dir.exists() and any(ckpt_dir.iterdir()):
@@ -184,15 +186,16 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     prepared, tokenizer = prepare_data(data, out, tc, vocab_size)
     config = model_config_for(config, tokenizer)
-    trainer = Trainer(config, tc, teacher=teacher)
+    trainer = Trainer(config, tc, devices=devices, teacher=teacher)
     if resume:
         state = restore_state(ckpt_dir, trainer.abstract_state())
         if state is None:
             raise FileNotFoundError(f"--resume: no train state under {ckpt_dir}")
     else:
+        params = None if init is None else initial_params(trainer, init)
         state = trainer.init_state()
-        if init is not None:
-            state["params"] = initial_params(trainer, state, init)
+        if params is not None:
+            state["params"] = params
     (out / "data.json").write_text(
         json.dumps(
             {

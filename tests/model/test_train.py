@@ -92,11 +92,13 @@ def test_a_run_ending_on_a_save_step_saves_and_exports(trained):
 
 
 def test_resume_continues_the_straight_run_exactly(data_file, tmp_path):
+    """On one device (a state replicated over 8 saves and restores in the CLI test)."""
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    _run(straight, data_file)
-    _run(halves, data_file, run_steps=3)
+    one = jax.devices()[:1]
+    _run(straight, data_file, devices=one)
+    _run(halves, data_file, run_steps=3, devices=one)
     assert len(_losses(halves)) == 3
-    _run(halves, data_file, resume=True)
+    _run(halves, data_file, resume=True, devices=one)
     assert _losses(halves) == _losses(straight)
     a, b = load_pretrained(straight, dtype="float32"), load_pretrained(halves, dtype="float32")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -248,7 +250,8 @@ def test_a_new_run_can_start_from_a_models_weights(data_file, tmp_path):
     (warmup), so a one-step run exports them unchanged; other shapes are refused."""
     _, tok = prepare_data(data_file, tmp_path / "tok", TC, vocab_size=300)
     start = random_model(model_config_for(preset("tiny"), tok), seed=4)
-    _run(tmp_path / "run", data_file, tc=dataclasses.replace(TC, max_steps=1), init=start)
+    tc = dataclasses.replace(TC, max_steps=1)
+    _run(tmp_path / "run", data_file, tc=tc, init=start, devices=jax.devices()[:1])
     got = load_pretrained(tmp_path / "run", dtype="float32")
     want = nnx.to_pure_dict(nnx.state(start, nnx.Param))
     got = nnx.to_pure_dict(nnx.state(got, nnx.Param))
