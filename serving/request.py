@@ -22,6 +22,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def acceptance_ema(previous: float, rate: float) -> float:
+    """A draft acceptance EMA after one more window that accepted `rate` of its drafts."""
+    return 0.7 * previous + 0.3 * rate
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request; the scheduler owns its mutable fields once added."""

@@ -45,7 +45,7 @@ from serving.admission import AdmissionMixin
 from serving.donations import DonationsMixin
 from serving.pending_tokens import PendingTokensMixin
 from serving.preemption import PreemptionMixin
-from serving.request import Request, RequestStatus
+from serving.request import Request, RequestStatus, acceptance_ema
 from serving.scheduler_output import Placement, PrefillChunk, SchedulerOutput
 
 if TYPE_CHECKING:  # both modules import JAX; the scheduler only needs their host methods
@@ -349,7 +349,7 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
             n = num_drafts.get(request.request_id, 0)
             if n > 0:
                 rate = (len(sampled[request.request_id]) - 1) / n
-                request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
+                request.spec_acceptance = acceptance_ema(request.spec_acceptance, rate)
 
     def _append_all(
         self, request: Request, tokens: int | Sequence[int] | None, *, advanced: bool = False

@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from serving.request import acceptance_ema
 from serving.speculative.drafter import Drafter
 
 
@@ -144,7 +145,7 @@ class NgramDrafter(Drafter):
             after = request.all_token_ids[record.at : record.at + len(record.drafts)]
             hits = next((i for i, (d, t) in enumerate(zip(record.drafts, after)) if d != t), None)
             rate = (len(after) if hits is None else hits) / len(record.drafts)
-            record.acceptance = 0.7 * record.acceptance + 0.3 * rate
+            record.acceptance = acceptance_ema(record.acceptance, rate)
             record.drafts = ()
         if record.acceptance >= self.min_acceptance:
             return True
