@@ -32,6 +32,10 @@ atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _JIT_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Corpus n-gram tables go to a fresh directory too, never the user's cache.
+_TABLE_CACHE = tempfile.mkdtemp(prefix="kimi-linear-jax-test-cache-")
+atexit.register(shutil.rmtree, _TABLE_CACHE, ignore_errors=True)
+os.environ["KIMI_LINEAR_JAX_CACHE"] = _TABLE_CACHE
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 
 from kimi_linear_jax.tokenization.chat_template import KIMI_CHAT_TEMPLATE
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, digest
 
 # Byte-tokenizer specials, in id order starting at 256.
 BYTE_SPECIAL_TOKENS = (
@@ -62,6 +62,10 @@ class ByteTokenizer(Tokenizer):
         if item < 256:
             return bytes((item,))
         return self._special_names[item].encode("utf-8")
+
+    def fingerprint(self) -> str:
+        # UTF-8 bytes and the fixed specials: nothing but the id space differs.
+        return digest("bytes", str(self.vocab_size), ",".join(BYTE_SPECIAL_TOKENS))
 
     def _is_known(self, token_id: int) -> bool:
         return 0 <= token_id < 256 or token_id in self._special_names

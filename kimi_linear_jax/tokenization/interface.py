@@ -5,6 +5,7 @@ kinds share (stop ids, placeholder runs)."""
 from __future__ import annotations
 
 import abc
+import hashlib
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,12 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid UTF-8 becomes U+FFFD."""
+
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """A digest of what maps text to ids (vocabulary, merges, specials): equal for two
+        tokenizers that encode alike, so that data built from token ids (a corpus n-gram
+        table) can be kept on disk and found again."""
 
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = True
@@ -126,3 +133,13 @@ def _runs(items: list[int | str]) -> Iterable[tuple[bool, list]]:
     """Group consecutive placeholders (True) and consecutive backend ids (False)."""
     for is_text, group in groupby(items, key=lambda item: isinstance(item, str)):
         yield is_text, list(group)
+
+
+def digest(*parts: str | bytes) -> str:
+    """sha256 hex digest of `parts`, each length-prefixed (no two splits of one string
+    collide)."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()

@@ -11,7 +11,7 @@ from typing import Any
 import tiktoken
 
 from kimi_linear_jax.tokenization.chat_template import KIMI_CHAT_TEMPLATE
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, digest
 from kimi_linear_jax.tokenization.tokenizer_config import (
     _read_chat_template,
     _read_json,
@@ -57,6 +57,7 @@ class TiktokenTokenizer(Tokenizer):
             special_tokens=special_tokens,
         )
         self._special_names = {i: name for name, i in special_tokens.items()}
+        self._ranks = mergeable_ranks  # for `fingerprint` (a reference, not a copy)
         self.vocab_size = self._encoding.n_vocab
         self.bos_token_id = special_tokens.get(bos_token) if bos_token else None
         self.eos_token_ids = _eos_ids(special_tokens, eos_token)
@@ -96,6 +97,14 @@ class TiktokenTokenizer(Tokenizer):
                 "".join(group).encode() if is_text else self._encoding.decode_bytes(group)
             )
         return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        ranks = b"".join(
+            rank.to_bytes(4, "little") + len(token).to_bytes(4, "little") + token
+            for token, rank in sorted(self._ranks.items(), key=lambda kv: kv[1])
+        )
+        specials = ",".join(f"{i}:{name}" for i, name in sorted(self._special_names.items()))
+        return digest("tiktoken", KIMI_PAT_STR, ranks, specials)
 
     def _is_known(self, token_id: int) -> bool:
         return 0 <= token_id < self._num_base or token_id in self._special_names

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tokenizers
 
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, digest
 from kimi_linear_jax.tokenization.tokenizer_config import (
     _read_chat_template,
     _read_json,
@@ -76,6 +76,9 @@ class HFTokenizer(Tokenizer):
                     self._tokenizer.decode(group, skip_special_tokens=skip_special_tokens)
                 )
         return "".join(chunks)
+
+    def fingerprint(self) -> str:
+        return digest("tokenizer.json", self._tokenizer.to_str())
 
     def _is_known(self, token_id: int) -> bool:
         return token_id in self._known_ids

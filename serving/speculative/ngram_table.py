@@ -13,17 +13,31 @@ only where the corpus agrees on it.
 Contexts are packed into one uint64 per context (`n * bits <= 64`), sorted, and looked up by
 binary search: a few microseconds per draft token, a few MB for a corpus of millions of
 tokens.
+
+Building the standard library's table takes 10-12 s on a 2-core CPU, most of it tokenizing,
+at every engine start. `table_from_corpus` keeps each table it builds in the user's cache
+directory (`cache_dir`), under a key of the corpus's files (names, sizes, times), the
+tokenizer's fingerprint and the table's settings, and loads it from there when nothing of
+these changed.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import logging
+import os
+import tempfile
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kimi_linear_jax import corpus
+from kimi_linear_jax.tokenization.interface import digest
+
+log = logging.getLogger("kimi_linear_jax.engine")
 
 # Defaults chosen on the replay (RESULTS.md): contexts of 3 tokens, then 2; a context must
 # have been seen twice, and its most frequent follower must hold 30% of what followed it.
@@ -133,6 +147,39 @@ class NgramTable:
             seq = (seq + [token])[-self.orders[0] :]
         return out
 
+    def save(self, path: str | Path) -> None:
+        """Write the table to `path` (an .npz), atomically: a reader sees the old file or the
+        whole new one."""
+        path = Path(path)
+        arrays = {"bits": np.int64(self.bits), "orders": np.asarray(self.orders, np.int64)}
+        for n, (keys, followers) in self.tables.items():
+            arrays[f"keys_{n}"], arrays[f"followers_{n}"] = keys, followers
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | Path) -> NgramTable:
+        """A table `save` wrote; ValueError if the file does not hold one."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                bits, orders = int(f["bits"]), tuple(int(n) for n in f["orders"])
+                tables = {n: (f[f"keys_{n}"], f[f"followers_{n}"]) for n in orders}
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{str(path)!r} is not a saved n-gram table: {e}") from e
+        for n, (keys, followers) in tables.items():
+            ok = keys.dtype == np.uint64 and followers.dtype == np.int32
+            if not (ok and keys.shape == followers.shape and np.all(keys[1:] > keys[:-1])):
+                raise ValueError(f"{str(path)!r} is not a saved n-gram table: bad order {n}")
+        table = cls.__new__(cls)
+        table.bits, table.orders, table.tables = bits, orders, tables
+        return table
+
 
 def ngram_table_reference(
     streams: Iterable[Sequence[int]], n: int, min_count: int = MIN_COUNT, min_share=MIN_SHARE
@@ -164,11 +211,49 @@ def corpus_texts(source: str | Path) -> list[str]:
     return list(docs.values())
 
 
-def table_from_corpus(source: str | Path, tokenizer) -> NgramTable:
+CACHE_ENV = "KIMI_LINEAR_JAX_CACHE"
+
+
+def cache_dir() -> Path | None:
+    """Where built corpus tables are kept: `$KIMI_LINEAR_JAX_CACHE` ("off" or empty: nowhere),
+    else `$XDG_CACHE_HOME/kimi-linear-jax`, else `~/.cache/kimi-linear-jax`."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env in ("", "off") else Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kimi-linear-jax"
+
+
+def cache_key(source: str | Path, tokenizer) -> str:
+    """What a corpus table depends on: the corpus's files, the tokenizer, the stop id that
+    ends each document, and the table's settings."""
+    settings = json.dumps([ORDERS, MIN_COUNT, MIN_SHARE, list(tokenizer.eos_token_ids[:1])])
+    return digest(corpus.fingerprint(source), tokenizer.fingerprint(), settings)
+
+
+def table_from_corpus(source: str | Path, tokenizer, cache: bool = True) -> NgramTable:
     """An `NgramTable` of `source`'s documents (`corpus_texts`), tokenized by `tokenizer`; each
-    document ends with the tokenizer's first stop id, which the model emits at a file's end."""
-    texts = corpus_texts(source)
+    document ends with the tokenizer's first stop id, which the model emits at a file's end.
+    With `cache`, loaded from `cache_dir()` if built before, else built and kept there (a
+    cache that cannot be read or written is rebuilt or skipped, with a warning)."""
     if tokenizer is None:
+        corpus_texts(source)  # a missing corpus is the first error to report
         raise ValueError("speculative corpus needs a tokenizer (the model has none)")
+    where = cache_dir() if cache else None
+    path = None if where is None else where / "ngram" / f"{cache_key(source, tokenizer)}.npz"
+    if path is not None and path.is_file():
+        try:
+            table = NgramTable.load(path)
+            log.info("corpus n-gram table of %s: loaded from %s", source, path)
+            return table
+        except ValueError as e:
+            log.warning("rebuilding the corpus n-gram table: %s", e)
     eos = list(tokenizer.eos_token_ids[:1])
-    return NgramTable(ids + eos for ids in tokenizer.encode_batch(texts))
+    table = NgramTable(ids + eos for ids in tokenizer.encode_batch(corpus_texts(source)))
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table.save(path)
+            log.info("corpus n-gram table of %s: built, kept in %s", source, path)
+        except OSError as e:
+            log.warning("could not keep the corpus n-gram table in %s: %s", where, e)
+    return table

@@ -353,3 +353,23 @@ def test_template_that_rewrites_content_refuses_special_text() -> None:
     )
     with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] holds special-token text"):
         tok.encode_chat([{"role": "user", "content": " <|im_end|> "}])
+
+
+def test_fingerprints_follow_what_encodes(tmp_path: Path) -> None:
+    """Equal for tokenizers loaded alike, different where the vocabulary or merges differ: a
+    corpus table kept on disk is found by it (`ngram_table.cache_key`)."""
+    for name in ("tik", "tik2", "tik3", "hf", "hf2"):
+        (tmp_path / name).mkdir()
+    tik = TiktokenTokenizer.from_dir(write_tiktoken_dir(tmp_path / "tik"))
+    same = TiktokenTokenizer.from_dir(write_tiktoken_dir(tmp_path / "tik2", template="T"))
+    assert tik.fingerprint() == same.fingerprint()  # a chat template does not encode text
+    write_tiktoken_dir(tmp_path / "tik3")
+    ranks = (tmp_path / "tik3" / "tiktoken.model").read_text().splitlines()
+    swapped = ranks[-1].split()[0], ranks[-2].split()[0]  # two merges trade ranks
+    ranks[-2:] = [f"{swapped[0]} {len(ranks) - 2}", f"{swapped[1]} {len(ranks) - 1}"]
+    (tmp_path / "tik3" / "tiktoken.model").write_text("\n".join(ranks) + "\n")
+    other = TiktokenTokenizer.from_dir(tmp_path / "tik3")
+    hf = HFTokenizer.from_dir(write_hf_dir(tmp_path / "hf"))
+    assert hf.fingerprint() == HFTokenizer.from_dir(write_hf_dir(tmp_path / "hf2")).fingerprint()
+    prints = [t.fingerprint() for t in (tik, other, hf, ByteTokenizer(320), ByteTokenizer(512))]
+    assert len(set(prints)) == len(prints)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kimi_linear_jax import corpus
+from kimi_linear_jax.bpe import save_tokenizer, train_bpe
 from kimi_linear_jax.checkpoint import BUILTIN_MODEL
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
@@ -19,6 +20,7 @@ from serving.sampling import SamplingParams
 from serving.speculative.ngram import NgramDrafter
 from serving.speculative.ngram_table import (
     NgramTable,
+    cache_key,
     corpus_texts,
     ngram_table_reference,
     table_from_corpus,
@@ -120,6 +122,120 @@ def test_table_from_a_corpus_directory(tmp_path):
         assert _as_dict(table, n) == ngram_table_reference(streams, n)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         table_from_corpus(tmp_path, None)
+
+
+def _write(root, texts: dict[str, str]):
+    for name, text in texts.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def _reference_tables(tokenizer, texts: list[str], orders) -> dict[int, dict]:
+    streams = [
+        tokenizer.encode(t, parse_special=False) + [tokenizer.eos_token_ids[0]] for t in texts
+    ]
+    return {n: ngram_table_reference(streams, n) for n in orders}
+
+
+class _Counting:
+    """A tokenizer that counts its `encode_batch` calls (each is a table build)."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.builds = tokenizer, 0
+        self.eos_token_ids, self.fingerprint = tokenizer.eos_token_ids, tokenizer.fingerprint
+
+    def encode_batch(self, texts):
+        self.builds += 1
+        return self.inner.encode_batch(texts)
+
+
+def test_corpus_tables_are_kept_and_found_again(tmp_path, monkeypatch, caplog):
+    """A table is built once per corpus and tokenizer, then loaded from the cache directory;
+    an edited corpus, another tokenizer, or a damaged file builds it again, and the table is
+    always the one its corpus gives."""
+    cache, data = tmp_path / "cache", tmp_path / "data"
+    monkeypatch.setenv("KIMI_LINEAR_JAX_CACHE", str(cache))
+    texts = {"a.py": "def f(self):\n    return self.x\n" * 3, "b/c.py": "import os\n" * 4}
+    _write(data, texts)
+    tokenizer = _Counting(load_tokenizer(BUILTIN_MODEL, 4096))
+
+    def check(table, texts):
+        want = _reference_tables(tokenizer.inner, list(texts.values()), table.orders)
+        assert {n: _as_dict(table, n) for n in table.orders} == want
+
+    check(table_from_corpus(data, tokenizer), texts)
+    check(table_from_corpus(data, tokenizer), texts)
+    assert tokenizer.builds == 1 and len(list((cache / "ngram").iterdir())) == 1
+
+    texts["b/c.py"] = "import sys\n" * 5  # edited: the key changes, the table follows
+    _write(data, texts)
+    check(table_from_corpus(data, tokenizer), texts)
+    assert tokenizer.builds == 2
+
+    saved = cache / "ngram" / f"{cache_key(data, tokenizer)}.npz"
+    saved.write_bytes(saved.read_bytes()[:100])  # a damaged file: rebuilt and replaced
+    with caplog.at_level("WARNING", logger="kimi_linear_jax.engine"):
+        check(table_from_corpus(data, tokenizer), texts)
+    assert tokenizer.builds == 3 and "rebuilding the corpus n-gram table" in caplog.text
+    check(NgramTable.load(saved), texts)
+
+    # Another tokenizer with the same stop id but other merges: its own table.
+    save_tokenizer(train_bpe([t * 4 for t in texts.values()], 300), tmp_path / "tok")
+    other = _Counting(load_tokenizer(tmp_path / "tok", 300))
+    assert other.eos_token_ids == load_tokenizer(BUILTIN_MODEL, 4096).eos_token_ids
+    table = table_from_corpus(data, other)
+    want = _reference_tables(other.inner, list(texts.values()), table.orders)
+    assert {n: _as_dict(table, n) for n in table.orders} == want and other.builds == 1
+
+    monkeypatch.setenv("KIMI_LINEAR_JAX_CACHE", "off")
+    before = sorted((cache / "ngram").iterdir())
+    check(table_from_corpus(data, tokenizer), texts)
+    assert tokenizer.builds == 4 and sorted((cache / "ngram").iterdir()) == before
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_table(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("KIMI_LINEAR_JAX_CACHE", str(blocker))
+    _write(tmp_path / "data", {"a.py": "x = 1\n" * 5})
+    tokenizer = load_tokenizer(BUILTIN_MODEL, 4096)
+    with caplog.at_level("WARNING", logger="kimi_linear_jax.engine"):
+        table = table_from_corpus(tmp_path / "data", tokenizer)
+    assert "could not keep the corpus n-gram table" in caplog.text
+    want = _reference_tables(tokenizer, ["x = 1\n" * 5], table.orders)
+    assert {n: _as_dict(table, n) for n in table.orders} == want
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda f: f.write_bytes(b"not a zip"), "not a saved n-gram table"),
+        (lambda f: np.savez(f, bits=np.int64(3)), "not a saved n-gram table"),
+    ],
+)
+def test_load_refuses_what_is_not_a_table(tmp_path, damage, problem):
+    path = tmp_path / "t.npz"
+    damage(path)
+    with pytest.raises(ValueError, match=problem):
+        NgramTable.load(path)
+    NgramTable([[1, 2, 3, 1, 2, 3]], (2,), 1, 0.0).save(path)
+    with np.load(path) as f:
+        arrays = dict(f)
+    arrays["keys_2"] = arrays["keys_2"][::-1].copy()  # unsorted keys: binary search would lie
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match="bad order 2"):
+        NgramTable.load(path)
+
+
+def test_corpus_fingerprint_follows_its_files(tmp_path):
+    _write(tmp_path, {"a.py": "x = 1\n", "t/skip.bin": "?"})
+    first = corpus.fingerprint(tmp_path)
+    (tmp_path / "t" / "skip.bin").write_text("not read")  # not a corpus file: no change
+    assert corpus.fingerprint(tmp_path) == first
+    _write(tmp_path, {"b.py": "y = 2\n"})
+    second = corpus.fingerprint(tmp_path)
+    (tmp_path / "a.py").write_text("x = 10\n")
+    assert len({first, second, corpus.fingerprint(tmp_path)}) == 3
 
 
 def test_stdlib_corpus_is_the_training_split():
