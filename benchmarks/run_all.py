@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 import async_scheduling  # noqa: E402
 import bench_forward  # noqa: E402
 import bench_kda  # noqa: E402
+import corpus_table  # noqa: E402
 import decode_profile  # noqa: E402
 import draft_cost  # noqa: E402
 import flat_params  # noqa: E402
@@ -85,6 +86,8 @@ BENCHMARKS = {
     "prefix_cache": prefix_cache.main,
     # Async vs sync scheduling: ms per token, host time on the critical path, device idle.
     "async_scheduling": async_scheduling.main,
+    # The corpus n-gram table built at an engine start vs loaded from the user's cache.
+    "corpus_table": corpus_table.main,
 }
 
 
