@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.mla_decode import mla_paged_attention
+from kernels.mla_decode import kernel_supports, mla_paged_attention
 from kimi_linear_jax.ops.mla import mla_paged_attention_reference
+from kimi_linear_jax.presets import preset
 from tests.helpers import assert_close
 
 # Per-dtype tolerances (max-abs, relative RMS) for o, and max-abs for the finite lse, ~5-20x
@@ -208,6 +209,23 @@ def test_lowers_for_cuda(T, H, page_size, dtype, knobs):
     """The Triton rules (power-of-two tiles, dot operands >= 16, the 512 + 64 split) hold."""
     args = _abstract(B=3, T=T, H=H, L=512, R=64, page_size=page_size, P=7, dtype=dtype)
     fn = functools.partial(mla_paged_attention, sm_scale=576**-0.5, **knobs)
+    with _abstract_gpu():
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("name", ["pycode", "pycode-draft"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("T", [1, 9])
+def test_lowers_for_cuda_at_the_builtin_models_dims(name, dtype, T):
+    """The built-in models run the kernel on a GPU (their L, R and page size are powers of two
+    >= 16, so `paged_attention` does not fall back): it must lower at their dims too, for a
+    decode step and a verify window of k = 8."""
+    config = preset(name)
+    L, R, H = config.kv_lora_rank, config.qk_rope_head_dim, config.num_attention_heads
+    assert kernel_supports(L, R, 16)
+    args = _abstract(B=1, T=T, H=H, L=L, R=R, page_size=16, P=4, dtype=dtype)
+    fn = functools.partial(mla_paged_attention, sm_scale=(L + R) ** -0.5)
     with _abstract_gpu():
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
