@@ -1,20 +1,22 @@
 """Speculative decoding on code continuation with the built-in models: plain greedy decoding,
 n-gram (prompt lookup), n-gram with a corpus table where the context does not recur
 (`corpus`, the standard library's training split by default), the built-in draft model, and
-the draft model with lookup first (`prompt_lookup_num_tokens`), batch 1, same run, same
-prompts.
+the draft model with lookup first (`prompt_lookup_num_tokens`), at batch 1 (`--batch`: B
+prompts decoded together), same run, same prompts.
 
 Prompts: the first `--prompt-len` tokens of each held-out standard-library file the model's
 `data.json` lists (files shorter than prompt + `--max-tokens` tokens are skipped), at most
 `--prompts` of them. Each configuration continues each prompt greedily for `--max-tokens`
-tokens (EOS ignored). decode tok/s = (N - 1) / (t(N tokens) - t(1 token)) summed over the
-prompts, so prefill and the first token are excluded; best of `--repeats`, the configurations
+tokens (EOS ignored). decode tok/s = B (N - 1) / (t(N tokens) - t(1 token)) summed over the
+prompts (groups of B; a last incomplete group is left out), so prefill and the first token
+are excluded; best of `--repeats`, the configurations
 taking turns call by call. Every speculative run's tokens are compared with plain decoding's
 (printed; "NO" means the outputs differ). Acceptance = accepted / proposed drafts; mean
 accepted length = tokens a row gains per verify (accepted drafts + the bonus token).
 
 Run from the repo root: ``python benchmarks/code_speculation.py [--k 4] [--prompts 6]
-[--out DIR]`` (writes ``code_speculation_k<K>.json`` to DIR, default ``benchmarks/results``).
+[--batch 1] [--out DIR]`` (writes ``code_speculation_k<K>.json``, ``_k<K>_b<B>.json`` for
+B > 1, to DIR, default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -51,16 +53,20 @@ def prompts_from_held_out(tokenizer, prompt_len: int, need: int, limit: int) -> 
     return out[:limit]
 
 
-def run(llm: LLM, prompt: list[int], n: int) -> dict:
+def run(llm: LLM, prompt, n: int) -> dict:
+    """One generate call of `n` tokens for a prompt (a list of ids) or a batch of prompts (a
+    list of such lists): wall time, tokens (a list per prompt for a batch), spec counters."""
+    batch = isinstance(prompt[0], list)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     before = llm.metrics()
     t0 = time.perf_counter()
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    outs = llm.generate(prompt if batch else [prompt], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = llm.metrics()
+    tokens = [o.token_ids for o in outs]
     return {
         "wall": wall,
-        "tokens": out.token_ids,
+        "tokens": tokens if batch else tokens[0],
         **{k: after.get(k, 0) - before.get(k, 0) for k in SPEC_KEYS},
     }
 
@@ -100,9 +106,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--corpus", default="stdlib", help="ngram+corpus: the corpus ('' leaves the row out)"
     )
     p.add_argument("--corpus-k", type=int, default=2, help="ngram+corpus: corpus drafts")
+    p.add_argument(
+        "--batch", type=int, default=1, help="prompts decoded together (groups of B prompts)"
+    )
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
-    shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
+    shapes = dict(max_num_seqs=a.batch, num_pages=64 * a.batch, dtype="float32")
     knobs = {"num_draft_tokens": a.k}
     if a.min_acceptance is not None:
         knobs["min_acceptance"] = a.min_acceptance
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = prompts_from_held_out(
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
     )
+    if a.batch > 1:  # whole groups only
+        prompts = [prompts[i : i + a.batch] for i in range(0, len(prompts) - a.batch + 1, a.batch)]
     n = a.max_tokens
     k_of = {
         "plain": 0,
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             {
                 "config": name,
                 "k": k_of.get(name, a.k),
-                "decode_tok_s": len(prompts) * (n - 1) / dt,
+                "decode_tok_s": len(prompts) * a.batch * (n - 1) / dt,
                 "acceptance": accepted / drafts if drafts else float("nan"),
                 "mean_acc_len": (accepted + verifies) / verifies if verifies else 1.0,
                 "identical": "yes" if same else "NO",
@@ -160,12 +171,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(
         rows, ["config", "k", "decode_tok_s", "speedup", "acceptance", "mean_acc_len", "identical"]
     )
-    meta = {"prompts": len(prompts), "prompt_len": a.prompt_len, "max_tokens": n, "B": 1}
+    meta = {"prompts": len(prompts) * a.batch, "prompt_len": a.prompt_len, "max_tokens": n}
+    meta["B"] = a.batch
     meta["min_acceptance"] = a.min_acceptance
     meta["draft_model"] = a.draft_model or "built-in"
     meta["draft+lookup k"] = f"model {a.lookup_model_k}, lookup {a.lookup_k}"
     meta["ngram+corpus"] = f"{a.corpus or 'off'}, corpus drafts {a.corpus_k}"
-    print("wrote", write_json(f"code_speculation_k{a.k}", rows, meta, a.out))
+    name = f"code_speculation_k{a.k}" + (f"_b{a.batch}" if a.batch > 1 else "")
+    print("wrote", write_json(name, rows, meta, a.out))
     return rows
 
 
