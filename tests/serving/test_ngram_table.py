@@ -20,6 +20,7 @@ from serving.sampling import SamplingParams
 from serving.speculative.ngram import NgramDrafter
 from serving.speculative.ngram_table import (
     NgramTable,
+    cache_dir,
     cache_key,
     corpus_texts,
     ngram_table_reference,
@@ -343,3 +344,17 @@ def test_failing_table_drafts_stop_alone():
 def test_bad_corpus_config(spec, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         LLM(random_model(preset("tiny")), speculative=spec, **SHAPES)
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_LINEAR_JAX_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    for off in ("off", ""):
+        monkeypatch.setenv("KIMI_LINEAR_JAX_CACHE", off)
+        assert cache_dir() is None
+    monkeypatch.delenv("KIMI_LINEAR_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kimi-linear-jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kimi-linear-jax"
