@@ -5,6 +5,7 @@ windows of their own width."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -358,3 +359,10 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "kimi-linear-jax"
+    monkeypatch.delenv("HOME")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cache_dir() is None  # nowhere to keep tables: build them, keep nothing
