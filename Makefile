@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test test-py312 bench lint install install-test
+.PHONY: run test test-heavy test-py312 bench lint install install-test
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ lint: install-test
 test: lint
 	$(PY) -m pytest -q -n auto --dist loadfile
 
+# The heavy tests (marked `heavy`): the longest tests of features the default run covers
+# elsewhere, kept out of `make test`'s 15-minute budget; CI runs them after it.
+test-heavy: install-test
+	$(PY) -m pytest -q -n auto --dist loadfile -m heavy
+
 bench: install-test
 	$(PY) benchmarks/run_all.py
 
@@ -45,5 +50,5 @@ test-py312:
 	$(VENV312)/bin/python -m pip install -q --upgrade pip; \
 	$(VENV312)/bin/python -m pip install -q -e . pytest hypothesis httpx; \
 	$(VENV312)/bin/python -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"; \
-	$(VENV312)/bin/python -m pytest -q tests/kernels tests/parallel tests/model/test_mla_moe.py; \
-	$(VENV312)/bin/python -m pytest -q tests/serving/test_speculative.py -k "bfloat16 or track_points"
+	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/kernels tests/parallel tests/model/test_mla_moe.py; \
+	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/serving/test_speculative.py -k "bfloat16 or track_points"

@@ -139,6 +139,7 @@ def one_device(data_file, tmp_path_factory):
     return losses, _params(state)
 
 
+@pytest.mark.heavy  # 39 s
 def test_accumulation_and_data_parallel_are_the_same_step(data_file, tmp_path, one_device):
     """8 sequences as one batch on one device, as 2 x 4 accumulated, and split over 8
     devices: the same loss and the same updated parameters (up to summation order)."""
@@ -214,6 +215,7 @@ def test_distill_kl_is_the_kl_divergence():
     np.testing.assert_array_equal(grad_t, 0)  # the teacher is a constant
 
 
+@pytest.mark.heavy  # 40 s
 def test_distillation_loss_is_the_kl_to_the_teacher_and_falls(data_file, tmp_path):
     """With a teacher the step's loss is the mean KL of the student's next-token distributions
     to the teacher's (checked against both models run outside the step), and training on it
@@ -314,6 +316,7 @@ def test_export_loads_in_transformers_with_equal_logits(trained):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.heavy  # 32 s; exact resume stays in the default run
 def test_cli_train_then_resume(data_file, tmp_path, capsys):
     args = [
         "train",

@@ -90,6 +90,7 @@ def test_draft_model_speculation_equals_one_device(draft_heads):
     assert [o.token_ids for o in got] == [reference()[tuple(p)] for p in PROMPTS[:2]]
 
 
+@pytest.mark.heavy  # 29 s
 def test_seeded_sampling_and_logprobs_equal_one_device():
     params = [
         SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=1, max_tokens=6, logprobs=3),

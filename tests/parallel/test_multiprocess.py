@@ -86,7 +86,7 @@ def _wait(procs):
     return [p.returncode for p in procs], errors
 
 
-@pytest.mark.slow  # the default run has the two-process serve test, the same lockstep engine
+@pytest.mark.slow  # make test-heavy has the two-process serve test, the same lockstep engine
 def test_two_processes_generate_equals_one_device(checkpoint, tmp_path):
     """A JSONL batch with n-gram speculation (drafts accepted: the prompts repeat) across two
     processes equals plain greedy decoding on one device; only process 0 writes."""
@@ -165,6 +165,7 @@ def _tokens(response: httpx.Response) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
+@pytest.mark.heavy  # 54 s; the default run keeps the follower test
 def test_two_processes_serve_equals_one_device(checkpoint, tmp_path):
     """Process 0 serves HTTP, process 1 follows its engine loop: two concurrent requests (one
     batch) and one alone give the one-device greedy tokens; on SIGINT to process 0 both exit

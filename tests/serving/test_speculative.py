@@ -872,6 +872,7 @@ class _LookupFor(OracleDrafter):
         return super().propose_tokens(request, max_drafts)
 
 
+@pytest.mark.heavy  # 68 s; also in make test-py312
 def test_kda_draft_snapshots_at_track_points(model):
     """A draft with KDA layers writes its own state into the checkpoint slot where the
     target's verify snapshots a track point, for each kind of row in the window: one that
