@@ -6,15 +6,18 @@ tile's products, before and after. Float32, the ``small`` shapes (E = 8, k = 2, 
   2026-12-01, restated here as the baseline);
 - now: tiles of one (token, expert) pair at decode sizes (`moe.tile_rows`), and the products
   written with transposed weights, which XLA:CPU fuses with the expert's slice at one row;
-- product only: today's product with the old tile sizes, to separate the two changes.
+- product only: today's product with the old tile sizes, to separate the two changes;
+- loop bound before: today's code but the tiled loop's old bound, ceil(N k / T) + E tiles
+  (`moe.max_tiles` since 2026-12-02: the most tiles a routing can fill, N k for one-pair tiles).
 
 Two tables: the routed product alone over N tokens (router of a random MoE, checked against the
 dense reference), and the whole compiled decode step of the served model at batch B. Each
 variant is compiled by itself (`jax.clear_caches()` between, since the choice is made when the
 step is traced), and the variants take turns call by call.
 
-Run: ``python benchmarks/moe_tiles.py [--repeats 20]`` (prints two tables, writes
-``results/moe_tiles.json``).
+Run: ``python benchmarks/moe_tiles.py [--repeats 20] [--preset pycode]`` (prints a table, writes
+``results/moe_tiles.json``, or ``moe_tiles_<preset>.json`` for another preset). ``pycode`` is the
+built-in model's shape (E = 16, k = 2, 256 -> 256).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kimi_linear_jax.model import HashedGraph, decode_step, for_serving  # noqa:
 from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 
-CONFIG = preset("small")
+CONFIG = preset("small")  # --preset replaces it
 PAGES, PAGE = 64, 16
 
 
@@ -57,24 +60,30 @@ def _expert_ffn_before(x, e, weights):
     return jnp.einsum("ti,di->td", (jax.nn.silu(gate) * up).astype(x.dtype), w2)
 
 
-# What each variant traces with: (PAIR_TILES_UP_TO, the tile's expert product).
+def _max_tiles_before(n_pairs: int, rows: int, n_experts: int) -> int:
+    """The tiled loop's bound until 2026-12-02: room for a partial tile of every expert."""
+    return -(-n_pairs // rows) + n_experts
+
+
+# What each variant traces with: (PAIR_TILES_UP_TO, the tile's expert product, loop bound).
 VARIANTS = {
-    "before": (0, _expert_ffn_before),
-    "product only": (0, moe._expert_ffn),
-    "now": (moe.PAIR_TILES_UP_TO, moe._expert_ffn),
+    "before": (0, _expert_ffn_before, _max_tiles_before),
+    "product only": (0, moe._expert_ffn, _max_tiles_before),
+    "loop bound before": (moe.PAIR_TILES_UP_TO, moe._expert_ffn, _max_tiles_before),
+    "now": (moe.PAIR_TILES_UP_TO, moe._expert_ffn, moe.max_tiles),
 }
 
 
 @contextlib.contextmanager
 def traced_as(variant: str):
-    """Trace and compile under the variant's tile rule and product, from empty caches."""
-    saved = moe.PAIR_TILES_UP_TO, moe._expert_ffn
-    moe.PAIR_TILES_UP_TO, moe._expert_ffn = VARIANTS[variant]
+    """Trace and compile under the variant's tile rule, product and bound, from empty caches."""
+    saved = moe.PAIR_TILES_UP_TO, moe._expert_ffn, moe.max_tiles
+    moe.PAIR_TILES_UP_TO, moe._expert_ffn, moe.max_tiles = VARIANTS[variant]
     jax.clear_caches()
     try:
         yield
     finally:
-        moe.PAIR_TILES_UP_TO, moe._expert_ffn = saved
+        moe.PAIR_TILES_UP_TO, moe._expert_ffn, moe.max_tiles = saved
 
 
 def routed_call(layer: moe.MoE, n: int):
@@ -123,6 +132,7 @@ def timed_rows(calls: dict, repeats: int, **key) -> list[dict]:
             min_ms=t["min_s"] * 1e3,
             vs_before_median=t["median_s"] / base["median_s"],
             vs_before_min=t["min_s"] / base["min_s"],
+            vs_bound_before_median=t["median_s"] / times["loop bound before"]["median_s"],
         )
         for name, t in times.items()
     ]
@@ -133,7 +143,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--tokens", default="1,8,32,64,160,512")
     p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--preset", default="small", help="model shape, e.g. small or pycode")
     a = p.parse_args(argv)
+    global CONFIG
+    CONFIG = preset(a.preset)
     layer = moe.MoE(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0), dispatch="tiled")
     rows = []
     for n in (int(t) for t in a.tokens.split(",")):
@@ -155,8 +168,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 calls[variant] = step_call(model, B)
         rows += timed_rows(calls, a.repeats, part="decode step", N=B)
     columns = ["part", "N", "variant", "median_ms", "min_ms", "vs_before_median", "vs_before_min"]
+    columns.append("vs_bound_before_median")
     print_table(rows, columns)
-    path = write_json("moe_tiles", rows, {"repeats": a.repeats, "config": "small"})
+    name = "moe_tiles" if a.preset == "small" else f"moe_tiles_{a.preset}"
+    path = write_json(name, rows, {"repeats": a.repeats, "config": a.preset})
     print(f"\nwrote {path}")
     return rows
 

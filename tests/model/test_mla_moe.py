@@ -194,6 +194,44 @@ def test_dispatch_crowded_experts_equal_dense(monkeypatch, dispatch, tile_rows):
     _against_dense(moe, x, dispatch)
 
 
+def _compositions(total: int, parts: int):
+    """Every way to put `total` pairs into `parts` experts (order matters)."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+@pytest.mark.parametrize(("pairs", "rows", "experts"), [(2, 1, 4), (7, 1, 3), (7, 3, 4), (9, 2, 5)])
+def test_max_tiles_is_the_most_tiles_any_routing_fills(pairs, rows, experts):
+    """The tiled loop's bound is the largest tile count over every routing of the pairs: no
+    routing needs more (a pair would be dropped), and one needs exactly that many (the loop
+    runs no iteration that no routing could use)."""
+    counts = [sum(-(-s // rows) for s in sizes) for sizes in _compositions(pairs, experts)]
+    assert moe_module.max_tiles(pairs, rows, experts) == max(counts)
+
+
+def test_tiled_equals_dense_when_every_tile_of_the_bound_is_used(monkeypatch):
+    """Tiles of 3 rows, and each of the 8 experts in use holds 1 mod 3 pairs (4 hold 4, 4
+    hold 1): 12 tiles, the loop's bound. A shorter loop would drop the last expert's pair."""
+    monkeypatch.setattr(moe_module, "TILE_ROWS", 3)
+    monkeypatch.setattr(moe_module, "PAIR_TILES_UP_TO", 0)
+    cfg = preset("tiny")
+    experts = moe_module.Experts(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    per_expert = [4, 4, 4, 4, 1, 1, 1, 1]
+    flat = np.repeat(np.arange(8), per_expert)  # 20 pairs: 10 tokens of 2 distinct experts
+    idx = jnp.asarray(np.stack([flat[:10], flat[10:]], axis=1), jnp.int32)
+    assert (np.asarray(idx)[:, 0] != np.asarray(idx)[:, 1]).all()
+    assert moe_module.max_tiles(20, 3, 8) == sum(-(-s // 3) for s in per_expert) == 12
+    x = jax.random.normal(jax.random.key(2), (10, cfg.hidden_size))
+    w = jax.random.uniform(jax.random.key(3), (10, 2))
+    assert_close(
+        experts.tiled(x, w, idx), experts.dense(x, w, idx), atol=1e-5, rtol_rms=1e-6, name="tiled"
+    )
+
+
 def test_tile_rows_are_pairs_at_decode_sizes():
     """One (token, expert) pair per tile while the experts average at most PAIR_TILES_UP_TO
     pairs each; TILE_ROWS-row tiles (or all N rows) beyond."""
