@@ -51,4 +51,5 @@ test-py312:
 	$(VENV312)/bin/python -m pip install -q -e . pytest hypothesis httpx; \
 	$(VENV312)/bin/python -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__)"; \
 	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/kernels tests/parallel tests/model/test_mla_moe.py; \
-	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/serving/test_speculative.py -k "bfloat16 or track_points"
+	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/serving/test_speculative.py -k "bfloat16 or track_points"; \
+	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu and not heavy" tests/serving/test_cuda_lowering.py

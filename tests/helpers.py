@@ -1,7 +1,11 @@
-"""The one numerics comparison helper used across tests."""
+"""The one numerics comparison helper used across tests, and the abstract GPU that lowering
+for CUDA on a CPU-only machine needs."""
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import numpy as np
 
 
@@ -18,6 +22,20 @@ def assert_close(actual, expected, *, atol: float, rtol_rms: float, name: str = 
     assert max_abs <= atol and rel <= rtol_rms, (
         f"{name}: max_abs={max_abs:.3e} (atol {atol:.1e}), rel_rms={rel:.3e} (tol {rtol_rms:.1e})"
     )
+
+
+def abstract_gpu():
+    """jax >= 0.11 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
+    ("No supported GPU devices found" otherwise); jax 0.10 lowers without one."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        return contextlib.nullcontext()
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    # Auto, not the default Explicit axis: a whole model step traced under the mesh would ask
+    # every op for explicit sharding rules (ragged_dot_general has none in jax 0.12).
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=h200)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 # A tiny transformers `KimiLinearConfig` (the shapes of our `tiny` preset, vocab 128), shared by

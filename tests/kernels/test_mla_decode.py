@@ -6,7 +6,6 @@ and every variant lowers for CUDA (which enforces the Triton rules interpret mod
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import pytest
 from kernels.mla_decode import kernel_supports, mla_paged_attention
 from kimi_linear_jax.ops.mla import mla_paged_attention_reference
 from kimi_linear_jax.presets import preset
-from tests.helpers import assert_close
+from tests.helpers import abstract_gpu, assert_close
 
 # Per-dtype tolerances (max-abs, relative RMS) for o, and max-abs for the finite lse, ~5-20x
 # above what is reached. f32 reaches <= 5e-7 on o and lse (sums reassociated over pages and
@@ -209,7 +208,7 @@ def test_lowers_for_cuda(T, H, page_size, dtype, knobs):
     """The Triton rules (power-of-two tiles, dot operands >= 16, the 512 + 64 split) hold."""
     args = _abstract(B=3, T=T, H=H, L=512, R=64, page_size=page_size, P=7, dtype=dtype)
     fn = functools.partial(mla_paged_attention, sm_scale=576**-0.5, **knobs)
-    with _abstract_gpu():
+    with abstract_gpu():
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
 
@@ -226,20 +225,9 @@ def test_lowers_for_cuda_at_the_builtin_models_dims(name, dtype, T):
     assert kernel_supports(L, R, 16)
     args = _abstract(B=1, T=T, H=H, L=L, R=R, page_size=16, P=4, dtype=dtype)
     fn = functools.partial(mla_paged_attention, sm_scale=(L + R) ** -0.5)
-    with _abstract_gpu():
+    with abstract_gpu():
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
-
-
-def _abstract_gpu():
-    """jax >= 0.11 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
-    ("No supported GPU devices found" otherwise); jax 0.10 lowers without one."""
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
-        return contextlib.nullcontext()
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200))
 
 
 @pytest.mark.gpu
