@@ -111,23 +111,42 @@ PREFIX = "import os\nimport sys\n\n\ndef main(argv):\n" + "".join(
 PROMPTS = [PREFIX + "    parser.add_argument(", PREFIX + "    args = parser.parse_args("]
 
 
+NGRAM = {"method": "ngram", "num_draft_tokens": 3}
+# TP x DCP: jax >= 0.11 lowers the Triton call only under an abstract GPU mesh, and shard_map
+# then refuses the engine's concrete (CPU) mesh; jax 0.10 lowers it as it is.
+SHARDED_NEEDS_JAX_0_10 = pytest.mark.skipif(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11),
+    reason="a sharded step lowers for CUDA on a CPU-only machine with jax 0.10 only",
+)
+
+
 @pytest.mark.parametrize(
-    ("speculative", "dtype"),
+    ("speculative", "dtype", "parallel"),
     [
-        (None, "auto"),
-        ({"method": "ngram", "num_draft_tokens": 3}, "auto"),
-        # 25 s (bfloat16 compiles every step anew): with the heavy tests.
+        (None, "auto", {}),
+        (NGRAM, "auto", {}),
+        # 25 s each (bfloat16 compiles every step anew; the mesh): with the heavy tests.
         pytest.param(
-            {"method": "draft_model", "num_draft_tokens": 3}, "bfloat16", marks=pytest.mark.heavy
+            {"method": "draft_model", "num_draft_tokens": 3},
+            "bfloat16",
+            {},
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param(
+            NGRAM,
+            "auto",
+            {"tensor_parallel_size": 4, "dcp_size": 2},
+            marks=[pytest.mark.heavy, SHARDED_NEEDS_JAX_0_10],
         ),
     ],
-    ids=["plain", "ngram", "draft-bf16"],
+    ids=["plain", "ngram", "draft-bf16", "ngram-tp4-dcp2"],
 )
-def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype):
+def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype, parallel):
     """Greedy and sampled requests, a prefix hit: every step the engine ran lowers for CUDA,
-    and the decode and verify steps and the prefill over a cached prefix call the kernel."""
+    and the decode and verify steps and the prefill over a cached prefix call the kernel (on
+    a mesh too: the kernel inside the model's shard_map, the lse merge over DCP ranks)."""
     lowering = CudaLowering(monkeypatch)
-    llm = LLM(max_num_seqs=2, dtype=dtype, speculative=speculative)
+    llm = LLM(max_num_seqs=2, dtype=dtype, speculative=speculative, **parallel)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=1)
     llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
