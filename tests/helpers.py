@@ -24,10 +24,14 @@ def assert_close(actual, expected, *, atol: float, rtol_rms: float, name: str = 
     )
 
 
+# jax >= 0.11 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device.
+JAX_0_11 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
 def abstract_gpu():
     """jax >= 0.11 lowers a GPU kernel on a CPU-only machine only under an abstract GPU device
     ("No supported GPU devices found" otherwise); jax 0.10 lowers without one."""
-    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+    if not JAX_0_11:
         return contextlib.nullcontext()
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 

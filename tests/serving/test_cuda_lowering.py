@@ -27,7 +27,7 @@ import serving.state_pool as state_pool_mod
 from kimi_linear_jax.model import HashedGraph, merge, split_flat
 from serving.engine import LLM
 from serving.sampling import SamplingParams
-from tests.helpers import abstract_gpu
+from tests.helpers import JAX_0_11, abstract_gpu
 
 # The Pallas kernel lowered for a GPU: a call of the Triton custom call.
 TRITON = "__gpu$xla.gpu.triton"
@@ -115,7 +115,7 @@ NGRAM = {"method": "ngram", "num_draft_tokens": 3}
 # TP x DCP: jax >= 0.11 lowers the Triton call only under an abstract GPU mesh, and shard_map
 # then refuses the engine's concrete (CPU) mesh; jax 0.10 lowers it as it is.
 SHARDED_NEEDS_JAX_0_10 = pytest.mark.skipif(
-    tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11),
+    JAX_0_11,
     reason="a sharded step lowers for CUDA on a CPU-only machine with jax 0.10 only",
 )
 
