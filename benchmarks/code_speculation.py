@@ -3,8 +3,7 @@ n-gram (prompt lookup), n-gram with a corpus table where the context does not re
 (`corpus`, the standard library's training split by default), the built-in draft model, and
 the draft model with lookup first (`prompt_lookup_num_tokens`), and plain decoding with async
 scheduling (the host's work on a step overlapping the next step; speculative steps do not
-overlap), at batch 1 (`--batch`: B
-prompts decoded together), same run, same prompts.
+overlap), at batch 1 (`--batch`: B prompts decoded together), same run, same prompts.
 
 Prompts: the first `--prompt-len` tokens of each held-out standard-library file the model's
 `data.json` lists (files shorter than prompt + `--max-tokens` tokens are skipped), at most
@@ -171,9 +170,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "identical": "yes" if same else "NO",
             }
         )
+    base = {row["config"]: row["decode_tok_s"] for row in rows}
     for row in rows:
-        row["speedup"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
-        row["vs_async"] = row["decode_tok_s"] / rows[1]["decode_tok_s"]
+        row["speedup"] = row["decode_tok_s"] / base["plain"]
+        row["vs_async"] = row["decode_tok_s"] / base["plain async"]
     columns = ["config", "k", "decode_tok_s", "speedup", "vs_async", "acceptance", "mean_acc_len"]
     print_table(rows, [*columns, "identical"])
     meta = {"prompts": len(prompts) * a.batch, "prompt_len": a.prompt_len, "max_tokens": n}

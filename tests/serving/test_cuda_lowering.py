@@ -78,12 +78,11 @@ class CudaLowering:
         if key in self._seen:
             return
         self._seen.add(key)
+        if args and isinstance(args[0], HashedGraph):
+            # The step traced for a GPU: another graph (attention = the kernel), so the trace
+            # is not cached for the CPU's calls.
+            args = (self._gpu_graph(args[0], args[1]), *args[1:])
         try:
-            if args and isinstance(args[0], HashedGraph):
-                # The step traced for a GPU: another graph (attention = the kernel), so the
-                # trace is not cached for the CPU's calls.
-                with gpu_backend():
-                    args = (self._gpu_graph(args[0], args[1]), *args[1:])
             with abstract_gpu(), gpu_backend():
                 traced = step.trace(*args, **kwargs)
                 text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -151,6 +150,7 @@ def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype, parallel):
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=1)
     llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
     llm.generate(PROMPTS, [greedy, sampled], use_tqdm=False)  # the first: a prefix hit
+    assert llm.metrics()["prefix_cache_hit_tokens"] > 0
 
     assert not lowering.failures, lowering.failures
     target = "verify_step" if speculative else "decode_steps"
