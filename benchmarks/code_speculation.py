@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--batch", type=int, default=1, help="prompts decoded together (groups of B prompts)"
     )
+    p.add_argument("--no-draft", action="store_true", help="leave the draft-model rows out")
     a = p.parse_args(argv)
     serving_heap()  # as `kimi-linear-jax generate` / `serve` run
     shapes = dict(max_num_seqs=a.batch, num_pages=64 * a.batch, dtype="float32")
@@ -128,15 +129,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "plain": LLM(**shapes),
         "plain async": LLM(async_scheduling=True, **shapes),
         "ngram": LLM(speculative={"method": "ngram", **knobs}, **shapes),
+        "ngram, stepwise": LLM(speculative={"method": "ngram", **knobs}, **shapes),
     }
+    # The n-gram without draftless runs: each step that proposes nothing is its own call.
+    configs["ngram, stepwise"].runner.draftless_runs = False
     if a.corpus:  # built once, shared: tokenizing the standard library takes seconds
         table = table_from_corpus(a.corpus, configs["plain"].tokenizer)
         corpus = {"corpus": table, "corpus_num_tokens": a.corpus_k}
         configs["ngram+corpus"] = LLM(speculative={"method": "ngram", **knobs, **corpus}, **shapes)
-    configs |= {
-        "draft": LLM(speculative={"method": "draft_model", **knobs, **draft}, **shapes),
-        "draft+lookup": LLM(speculative={**hybrid, **draft}, **shapes),
-    }
+    if not a.no_draft:
+        configs |= {
+            "draft": LLM(speculative={"method": "draft_model", **knobs, **draft}, **shapes),
+            "draft+lookup": LLM(speculative={**hybrid, **draft}, **shapes),
+        }
     prompts = prompts_from_held_out(
         configs["plain"].tokenizer, a.prompt_len, a.max_tokens, a.prompts
     )

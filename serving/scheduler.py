@@ -237,6 +237,8 @@ class Scheduler(AdmissionMixin, PreemptionMixin, DonationsMixin, PendingTokensMi
                 out.decode_steps.append(length)
                 if self.speculative:
                     out.max_drafts.append(self._max_drafts(request, length - 1))
+                    if out.max_drafts[-1] and request.spec_probe_after:  # set by a probe only
+                        out.probes.add(rid)
             else:
                 budget -= length
                 out.prefill.append(PrefillChunk(request, request.num_computed_tokens, length))

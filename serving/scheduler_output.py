@@ -66,6 +66,9 @@ class SchedulerOutput:
     decode_steps: list[int] = dataclasses.field(default_factory=list)
     # Speculative steps, per decode row: the most drafts it may propose (0: a plain decode).
     max_drafts: list[int] = dataclasses.field(default_factory=list)
+    # The decode rows whose drafts are a probe (a resting request drafts once): the next
+    # step's drafts depend on what it accepts, not only on its tokens.
+    probes: set[Hashable] = dataclasses.field(default_factory=set)
     placement: dict[Hashable, Placement] = dataclasses.field(default_factory=dict)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
     # Prefix caching. Before the step: copy checkpoint slot -> request's slot (a hit). After the

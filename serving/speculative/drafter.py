@@ -20,6 +20,11 @@ class Drafter:
     # (`min_acceptance`): drafts a drafter gates by its own statistics.
     ungated: frozenset = frozenset()
 
+    # n when the drafter drafts exactly where a request's last n tokens occur earlier in its
+    # tokens (and the row may draft): the runner then runs draftless rows on device until
+    # that holds (`decode.decode_until_recurs`). None: its next proposal is not foreseeable.
+    recurrence_n: int | None = None
+
     def propose_tokens(self, request, max_drafts: int) -> list[int]:
         """Up to `max_drafts` draft tokens continuing `request.all_token_ids`."""
         raise NotImplementedError

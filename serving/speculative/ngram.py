@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from serving.request import acceptance_ema
@@ -31,6 +32,20 @@ def _ends(seq: np.ndarray, n: int) -> np.ndarray:
     for j in range(n):
         hit &= seq[j : j + size - n] == seq[size - n + j]
     return np.flatnonzero(hit) + n
+
+
+def suffix_recurs(seq, length, n: int):
+    """On device, per row: whether the last `n` of the first `length[b]` tokens of `seq[b]`
+    occur earlier, followed by a token (`_ends(...).size > 0`; `n` static). seq [B, C],
+    length [B] (n < length <= C for a hit); whatever lies past `length` is never read as a
+    token: an occurrence must start before length - n."""
+    pos = jnp.arange(seq.shape[1])
+    hit = pos[None, :] < (length - n)[:, None]
+    for t in range(n):
+        tail = jnp.take_along_axis(seq, jnp.maximum(length - n + t, 0)[:, None], axis=1)
+        # Column j of the shifted seq is token j + t; j + t < length, so no wrap is read.
+        hit &= jnp.roll(seq, -t, axis=1) == tail
+    return hit.any(axis=1)
 
 
 def _vote(seq: np.ndarray, ends: np.ndarray, max_drafts: int) -> list[int]:
@@ -123,6 +138,12 @@ class NgramDrafter(Drafter):
         self.table_drafts = table_drafts
         self.min_acceptance = min_acceptance
         self.table_draft_tokens = 0  # drafts proposed by the table (metrics)
+
+    @property
+    def recurrence_n(self) -> int | None:
+        # Lookup drafts iff the last min_n tokens recur (a longer match contains that one);
+        # a corpus table may draft anywhere else.
+        return self.min_n if self.table is None else None
 
     def propose_tokens(self, request, max_drafts: int) -> list[int]:
         tokens = request.all_token_ids

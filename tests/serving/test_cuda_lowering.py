@@ -34,7 +34,14 @@ TRITON = "__gpu$xla.gpu.triton"
 
 # Module-level jitted functions the engine calls (by their importers' names).
 STEPS = {
-    runner_mod: ("prefill_step", "decode_steps", "verify_step", "pick_jit", "_next_ids"),
+    runner_mod: (
+        "prefill_step",
+        "decode_steps",
+        "decode_until_recurs",
+        "verify_step",
+        "pick_jit",
+        "_next_ids",
+    ),
     draft_mod: ("prefill_step", "decode_steps", "_write_lag", "_catch_up", "_rollback"),
     state_pool_mod: ("copy_slots", "reset_cache_slots"),
 }
@@ -153,7 +160,10 @@ def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype, parallel):
     assert llm.metrics()["prefix_cache_hit_tokens"] > 0
 
     assert not lowering.failures, lowering.failures
-    target = "verify_step" if speculative else "decode_steps"
-    assert lowering.lowered.get(target) and all(TRITON in t for t in lowering.lowered[target])
+    targets = ["verify_step"] if speculative else ["decode_steps"]
+    if speculative == NGRAM:
+        targets.append("decode_until_recurs")  # draftless runs
+    for target in targets:
+        assert lowering.lowered.get(target) and all(TRITON in t for t in lowering.lowered[target])
     with_kernel = [t for t in lowering.lowered["prefill_step"] if TRITON in t]
     assert with_kernel, "no prefill over a cached prefix was lowered"

@@ -1,0 +1,141 @@
+"""Draftless runs: where prompt lookup proposes nothing, the n-gram engine runs plain decode
+steps on device until a step's token makes the request's last n tokens recur
+(`decode.decode_until_recurs`). Stepping one call at a time (`runner.draftless_runs = False`)
+is the reference: every request proposes at the same positions (a run skips only positions
+where its lookup finds nothing), so the speculation metrics are the same, in fewer engine
+steps, and so are greedy outputs (tokens, logprobs, finish reasons). A sampled row draws a run's
+tokens as plain steps do; at batch 1 its outputs are the same too. (In a batch, a row without
+drafts that shares a verify window with one that drafts draws there instead, with or without
+runs, and runs change which rows share one.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
+from serving.engine import LLM
+from serving.sampling import SamplingParams
+from serving.speculative.ngram import _ends, suffix_recurs
+
+# Two repetitive prompts (lookup proposes there) and two that are not (draftless runs).
+PROMPTS = [[5, 6, 7, 8] * 5, list(range(10, 30)), list(range(40, 51)), [3, 9, 3, 9, 3]]
+SHAPES = dict(
+    num_pages=64,
+    page_size=4,
+    max_num_seqs=4,
+    batch_buckets=(4,),
+    token_buckets=(64,),
+    max_num_batched_tokens=64,
+    chunk_size=16,
+)
+SPEC_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"))
+
+
+def test_suffix_recurs_equals_the_host_lookup():
+    """The device check says a suffix recurs exactly where the host lookup finds an earlier
+    occurrence; tokens past each row's length (garbage) are never read."""
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3):
+        seq = rng.integers(0, 4, size=(64, 24)).astype(np.int32)
+        length = rng.integers(1, 25, size=64).astype(np.int32)
+        got = np.asarray(suffix_recurs(seq, length, n))
+        want = [L > n and _ends(seq[b, :L], n).size > 0 for b, L in enumerate(length)]
+        assert got.tolist() == want, n
+        assert 0 < sum(want) < len(want)  # both answers occur
+
+
+def _run(model, runs: bool, params, prompts=PROMPTS, **kw):
+    """(tokens, logprobs, finish reason) per prompt and the metrics of an n-gram engine."""
+    spec = kw.pop("speculative", {"method": "ngram", "num_draft_tokens": 4})
+    llm = LLM(model, speculative=spec, **{**SHAPES, **kw})
+    llm.runner.draftless_runs = runs
+    proposals = _spy_proposals(llm.runner.drafter)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seen = [(o.token_ids, o.logprobs, o.finish_reason) for o in outs]
+    return seen, llm.metrics(), proposals
+
+
+def _spy_proposals(drafter) -> dict:
+    """(request id, its length) -> the drafts proposed there, for each proposal a row may
+    draft in (max_drafts > 0)."""
+    proposals = {}
+    propose = drafter.propose_tokens
+
+    def spy(request, max_drafts):
+        drafts = propose(request, max_drafts)
+        if max_drafts > 0:
+            proposals[(request.request_id, request.num_tokens)] = drafts
+        return drafts
+
+    drafter.propose_tokens = spy
+    return proposals
+
+
+def assert_same_proposals(runs: dict, stepwise: dict):
+    """Runs propose where stepping does, the same drafts, and skip only empty proposals."""
+    assert set(runs) <= set(stepwise), sorted(set(runs) - set(stepwise))
+    assert all(runs[key] == stepwise[key] for key in runs)
+    assert not [key for key in set(stepwise) - set(runs) if stepwise[key]]
+    assert len(runs) < len(stepwise)  # runs happened
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "greedy",
+        "sampled-logprobs",
+        "stop-tokens",
+        "prefix-caching",
+        # 31 s; runs at dcp 4 also happen in test_speculative's dcp 4 n-gram test.
+        pytest.param("dcp4", marks=pytest.mark.heavy),
+    ],
+)
+def test_runs_keep_outputs_and_windows(model, case):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = {}
+    if case == "sampled-logprobs":
+        # Sampled tokens rarely repeat two in a row: lookups of one token propose.
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=2)
+        kw = dict(speculative={"method": "ngram", "num_draft_tokens": 4, "prompt_lookup_min": 1})
+        kw["prompts"] = PROMPTS[:1]
+    elif case == "stop-tokens":  # requests end inside a run: its later tokens are dropped
+        plain = LLM(model, **SHAPES).generate(PROMPTS, params, use_tqdm=False)
+        stops = [o.token_ids[16] for o in plain]
+        params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stops)
+    elif case == "prefix-caching":  # track points cut the windows a run may fill
+        kw = dict(enable_prefix_caching=True)
+    elif case == "dcp4":
+        kw = dict(dcp_size=4)
+    stepwise, m_step, proposed_step = _run(model, False, params, **kw)
+    runs, m_runs, proposed_runs = _run(model, True, params, **kw)
+    assert runs == stepwise
+    assert_same_proposals(proposed_runs, proposed_step)
+    # A run goes on past a stop token (the host drops those tokens), and counts those steps.
+    keys = SPEC_KEYS[:2] if case == "stop-tokens" else SPEC_KEYS
+    assert {k: m_runs[k] for k in keys} == {k: m_step[k] for k in keys}
+    assert m_runs["spec_draft_tokens"] > 0  # windows ran between the runs
+    assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])
+    if case == "stop-tokens":
+        assert any(f == "stop" and len(t) < 24 for t, _, f in runs)
+
+
+def test_resting_rows_step_one_call_at_a_time(model):
+    """A request that rests (its drafts keep failing) is stepped one call at a time, and so is
+    its probe: the next probe is counted in steps, so a run would move it."""
+    spec = {"method": "ngram", "num_draft_tokens": 4, "min_acceptance": 0.99}
+    spec["prompt_lookup_min"] = 1  # drafts that fail (a rest), probes that find nothing
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True)
+    stepwise, m_step, proposed_step = _run(model, False, params, PROMPTS[:1], speculative=spec)
+    runs, m_runs, proposed_runs = _run(model, True, params, PROMPTS[:1], speculative=spec)
+    assert runs == stepwise
+    assert_same_proposals(proposed_runs, proposed_step)
+    assert {k: m_runs[k] for k in SPEC_KEYS} == {k: m_step[k] for k in SPEC_KEYS}
+    assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])
