@@ -13,7 +13,9 @@ prompts (groups of B; a last incomplete group is left out), so prefill and the f
 are excluded; best of `--repeats`, the configurations
 taking turns call by call. Every speculative run's tokens are compared with plain decoding's
 (printed; "NO" means the outputs differ). Acceptance = accepted / proposed drafts; mean
-accepted length = tokens a row gains per verify (accepted drafts + the bonus token).
+accepted length = tokens a row gains per verify (accepted drafts + the bonus token; a
+draftless run's steps count one by one); calls per token = the engine's steps (prefill
+included) per generated token. "ngram, stepwise" is the n-gram without draftless runs.
 `speedup` is against plain decoding, `vs_async` against plain decoding with async scheduling.
 
 Run from the repo root: ``python benchmarks/code_speculation.py [--k 4] [--prompts 6]
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "decode_tok_s": len(prompts) * a.batch * (n - 1) / dt,
                 "acceptance": accepted / drafts if drafts else float("nan"),
                 "mean_acc_len": (accepted + verifies) / verifies if verifies else 1.0,
+                # Engine steps (device calls of the target, prefill included) per token.
+                "calls_per_token": sum(r["steps"] for r in runs) / (len(prompts) * a.batch * n),
                 "identical": "yes" if same else "NO",
             }
         )
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row["speedup"] = row["decode_tok_s"] / base["plain"]
         row["vs_async"] = row["decode_tok_s"] / base["plain async"]
     columns = ["config", "k", "decode_tok_s", "speedup", "vs_async", "acceptance", "mean_acc_len"]
+    columns.append("calls_per_token")
     print_table(rows, [*columns, "identical"])
     meta = {"prompts": len(prompts) * a.batch, "prompt_len": a.prompt_len, "max_tokens": n}
     meta["B"] = a.batch

@@ -91,7 +91,6 @@ def assert_same_proposals(runs: dict, stepwise: dict):
     "case",
     [
         "greedy",
-        "sampled-logprobs",
         "stop-tokens",
         "prefix-caching",
         # 31 s; runs at dcp 4 also happen in test_speculative's dcp 4 n-gram test.
@@ -101,12 +100,7 @@ def assert_same_proposals(runs: dict, stepwise: dict):
 def test_runs_keep_outputs_and_windows(model, case):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = {}
-    if case == "sampled-logprobs":
-        # Sampled tokens rarely repeat two in a row: lookups of one token propose.
-        params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=2)
-        kw = dict(speculative={"method": "ngram", "num_draft_tokens": 4, "prompt_lookup_min": 1})
-        kw["prompts"] = PROMPTS[:1]
-    elif case == "stop-tokens":  # requests end inside a run: its later tokens are dropped
+    if case == "stop-tokens":  # requests end inside a run: its later tokens are dropped
         plain = LLM(model, **SHAPES).generate(PROMPTS, params, use_tqdm=False)
         stops = [o.token_ids[16] for o in plain]
         params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stops)
@@ -127,12 +121,15 @@ def test_runs_keep_outputs_and_windows(model, case):
         assert any(f == "stop" and len(t) < 24 for t, _, f in runs)
 
 
-def test_resting_rows_step_one_call_at_a_time(model):
-    """A request that rests (its drafts keep failing) is stepped one call at a time, and so is
-    its probe: the next probe is counted in steps, so a run would move it."""
+def test_sampled_resting_rows_step_one_call_at_a_time(model):
+    """Sampled with logprobs, at batch 1: the same tokens and logprobs. A request that rests
+    (its drafts keep failing) is stepped one call at a time, and so is its probe: the next
+    probe is counted in steps, so a run would move it."""
     spec = {"method": "ngram", "num_draft_tokens": 4, "min_acceptance": 0.99}
-    spec["prompt_lookup_min"] = 1  # drafts that fail (a rest), probes that find nothing
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True)
+    # Sampled tokens rarely repeat two in a row: lookups of one token propose, drafts fail
+    # (the request rests) and probes find nothing (a run would follow them).
+    spec["prompt_lookup_min"] = 1
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True, logprobs=2)
     stepwise, m_step, proposed_step = _run(model, False, params, PROMPTS[:1], speculative=spec)
     runs, m_runs, proposed_runs = _run(model, True, params, PROMPTS[:1], speculative=spec)
     assert runs == stepwise
