@@ -117,9 +117,10 @@ def decode_until_recurs(
 ):
     """Plain decode steps from each row's last token `seq[b, length[b] - 1]` until the n-gram
     drafter would draft: the loop ends after the step whose token makes some row's last
-    `min_n` tokens recur in its tokens (`ngram.suffix_recurs`), or when no row has steps left
-    (`steps_left[b] <= num_steps`). Synchronously each of those steps is its own call that
-    proposes nothing, so the tokens, and where the next verify window starts, are the same.
+    `min_n` tokens recur in its tokens (`ngram.suffix_recurs`), or once every row has run its
+    `steps_left[b]` steps (at most `num_steps`). Synchronously each of those steps is its own
+    call that proposes nothing, so the tokens, and where the next verify window starts, are
+    the same.
 
     seq [B, C] holds each row's tokens (C >= length + steps_left); greedy or sample mode (the
     PRNG stream advances per step as in single steps). Returns (picked, steps run, cache):
@@ -140,7 +141,7 @@ def decode_until_recurs(
         recurs = jnp.any(active & suffix_recurs(seq, length, min_n))
         return picked, cache, seq, length, recurs
 
-    # The first step outside the loop (most stretches are short), then the loop.
+    # The first step outside the loop (a run may end after it), then the loop.
     token = jnp.take_along_axis(seq, (length - 1)[:, None], axis=1)[:, 0]
     first, cache, seq, length, stop = step(jnp.int32(0), token, cache, seq, length)
     out = tuple(jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype) for x in first)

@@ -19,18 +19,13 @@ from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
 from serving.sampling import SamplingParams
 from serving.speculative.ngram import _ends, suffix_recurs
+from tests.serving.test_speculative import SHAPES as speculative_shapes
 
 # Two repetitive prompts (lookup proposes there) and two that are not (draftless runs).
 PROMPTS = [[5, 6, 7, 8] * 5, list(range(10, 30)), list(range(40, 51)), [3, 9, 3, 9, 3]]
-SHAPES = dict(
-    num_pages=64,
-    page_size=4,
-    max_num_seqs=4,
-    batch_buckets=(4,),
-    token_buckets=(64,),
-    max_num_batched_tokens=64,
-    chunk_size=16,
-)
+# test_speculative's shapes (its programs compile once), with room for every request's pages:
+# under page pressure, when a request preempts depends on the steps, and so would the windows.
+SHAPES = {**speculative_shapes, "num_pages": 64}
 SPEC_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps")
 
 
