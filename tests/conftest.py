@@ -16,6 +16,7 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive
 
 import atexit  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -24,14 +25,24 @@ import pytest  # noqa: E402
 
 # Programs that several objects build alike compile once per run: each `Trainer` (a resume test
 # builds three) and each engine jits its own functions, so jax's in-memory cache misses where
-# XLA's persistent cache, keyed by the program itself, hits. A fresh directory per test process,
-# removed at exit, so nothing carries over between runs (the resume tests took 121 s with
-# three compiles, 75 s with one).
-_JIT_CACHE = tempfile.mkdtemp(prefix="kimi-linear-jax-test-jit-")
-atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
+# XLA's persistent cache, keyed by the program itself, hits. One fresh directory per run, made by
+# the first process (pytest-xdist's controller, whose environment the workers inherit), so test
+# files on different workers that build the same engine shapes compile them once; the process
+# that made it removes it at exit, so nothing carries over between runs (the resume tests took
+# 121 s with three compiles, 75 s with one).
+_JIT_CACHE = os.environ.get("KIMI_LINEAR_JAX_TEST_JIT_CACHE")
+if not _JIT_CACHE:
+    _JIT_CACHE = tempfile.mkdtemp(prefix="kimi-linear-jax-test-jit-")
+    os.environ["KIMI_LINEAR_JAX_TEST_JIT_CACHE"] = _JIT_CACHE
+    atexit.register(shutil.rmtree, _JIT_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _JIT_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if importlib.util.find_spec("filelock"):
+    # A size limit makes jax lock the directory around each read and write, so one worker never
+    # reads an entry another is still writing (without the lock such a read fails, is warned
+    # about and recompiles). The limit itself is never reached.
+    jax.config.update("jax_compilation_cache_max_size", 1 << 40)
 # Corpus n-gram tables go to a fresh directory too, never the user's cache.
 _TABLE_CACHE = tempfile.mkdtemp(prefix="kimi-linear-jax-test-cache-")
 atexit.register(shutil.rmtree, _TABLE_CACHE, ignore_errors=True)

@@ -65,13 +65,16 @@ def _run(out, data, **kwargs):
     )
 
 
+# A 10-step run (high learning rate) whose last step is also a periodic save step.
+TRAINED_TC = dataclasses.replace(TC, max_steps=10, eval_every=10, save_every=5, learning_rate=1e-2)
+
+
 @pytest.fixture(scope="module")
 def trained(data_file, tmp_path_factory):
-    """One 10-step run (high learning rate) whose last step is also a periodic save step,
-    shared by the tests that only read what a finished run leaves behind."""
+    """One run, data parallel over the 8 devices, shared by the tests that read what a finished
+    run leaves behind; it is also the straight run the resume test must reproduce."""
     out = tmp_path_factory.mktemp("trained")
-    tc = dataclasses.replace(TC, max_steps=10, eval_every=10, save_every=5, learning_rate=1e-2)
-    return out, _run(out, data_file, tc=tc)
+    return out, _run(out, data_file, tc=TRAINED_TC)
 
 
 def test_loss_falls_and_held_out_is_measured(trained):
@@ -91,16 +94,15 @@ def test_a_run_ending_on_a_save_step_saves_and_exports(trained):
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [5, 10]
 
 
-def test_resume_continues_the_straight_run_exactly(data_file, tmp_path):
-    """On one device (a state replicated over 8 saves and restores in the CLI test)."""
-    straight, halves = tmp_path / "straight", tmp_path / "halves"
-    one = jax.devices()[:1]
-    _run(straight, data_file, devices=one)
-    _run(halves, data_file, run_steps=3, devices=one)
-    assert len(_losses(halves)) == 3
-    _run(halves, data_file, resume=True, devices=one)
-    assert _losses(halves) == _losses(straight)
-    a, b = load_pretrained(straight, dtype="float32"), load_pretrained(halves, dtype="float32")
+def test_resume_continues_the_straight_run_exactly(trained, data_file, tmp_path):
+    """Half the run, then `resume`: the losses and the final weights are the straight run's
+    (the state data parallel over 8 devices: params, optimizer state, step, data position)."""
+    straight, _ = trained
+    _run(tmp_path, data_file, tc=TRAINED_TC, run_steps=5)
+    assert len(_losses(tmp_path)) == 5
+    _run(tmp_path, data_file, tc=TRAINED_TC, resume=True)
+    assert _losses(tmp_path) == _losses(straight)
+    a, b = load_pretrained(straight, dtype="float32"), load_pretrained(tmp_path, dtype="float32")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -247,6 +249,7 @@ def test_distillation_needs_the_same_vocabulary_and_one_device_plan():
         Trainer(preset("tiny"), tp2, teacher=random_model(preset("tiny")))
 
 
+@pytest.mark.heavy  # 26 s
 def test_a_new_run_can_start_from_a_models_weights(data_file, tmp_path):
     """`init`: the run starts from the given weights. Its first step has learning rate 0
     (warmup), so a one-step run exports them unchanged; other shapes are refused."""

@@ -28,8 +28,10 @@ CONFIG = preset("tiny-tp8")
 B, N1, N2, W, PAGE = 2, 13, 6, 3, 4  # rows, chunk 1, chunk 2, verify window, page a rank
 LENS1, LENS2 = np.array([13, 9]), np.array([6, 4])  # ragged rows
 PLANS = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 8)]
-# The default run keeps pure TP, a mixed plan and the full mesh; the rest are marked slow.
-FAST_PLANS = {(2, 1), (4, 2), (8, 8)}
+# The default run keeps pure TP and the full mesh (the combine tests below run tp 4 x dcp 2 as
+# the engine serves it); tp 4 x dcp 2 here is heavy, the rest are marked slow.
+FAST_PLANS = {(2, 1), (8, 8)}
+HEAVY_PLANS = {(4, 2)}
 
 
 @functools.cache
@@ -93,7 +95,14 @@ def _compare(got, want):
     "tp,dcp",
     [
         pytest.param(
-            t, d, id=f"tp{t}-dcp{d}", marks=() if (t, d) in FAST_PLANS else pytest.mark.slow
+            t,
+            d,
+            id=f"tp{t}-dcp{d}",
+            marks=()
+            if (t, d) in FAST_PLANS
+            else pytest.mark.heavy
+            if (t, d) in HEAVY_PLANS
+            else pytest.mark.slow,
         )
         for t, d in PLANS
     ],
@@ -105,7 +114,11 @@ def test_logits_equal_one_device(tp, dcp):
 
 # As the engine runs it (`for_serving`): W_UK / W_UV split out of kv_b_proj and placed by its
 # rules, the head block of W_UV taken per rank under replicate_q_proj.
-@pytest.mark.parametrize("combine,replicate", [("a2a", False), ("ag_rs", True), ("a2a", True)])
+# a2a with a replicated q_proj is heavy: each of its parts runs in one of the other two.
+@pytest.mark.parametrize(
+    "combine,replicate",
+    [("a2a", False), ("ag_rs", True), pytest.param("a2a", True, marks=pytest.mark.heavy)],
+)
 def test_combines_and_replicated_q_proj_equal_one_device(combine, replicate):
     par = make_parallel(CONFIG, 4, 2, combine=combine, replicate_q_proj=replicate)
     _compare(run_steps(for_serving(shard_model(base_model(), par))), single())

@@ -137,7 +137,7 @@ def test_preemption_and_penalties(model):
     run_both(engine(model, num_scheduler_steps=4), PROMPTS, params)
 
 
-@pytest.mark.slow  # the default run has async scheduling on a mesh in tests/parallel
+@pytest.mark.slow  # make test-heavy has async scheduling on a mesh (tests/parallel)
 def test_dcp4(model):
     """The step dispatched ahead reads the in-flight step's tokens from their DCP placement."""
     outs, llm = run_both(engine(model, dcp_size=4), PROMPTS, LOGPROBS)

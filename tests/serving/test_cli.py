@@ -249,7 +249,11 @@ def test_async_scheduling_flag_keeps_greedy_output(checkpoint, reference, capsys
 
 
 @pytest.mark.parametrize(
-    "devices", [["-tp", "2"], ["--tensor-parallel-size", "4", "--dcp-size", "2"]]
+    "devices",
+    [
+        pytest.param(["-tp", "2"], marks=pytest.mark.heavy),
+        ["--tensor-parallel-size", "4", "--dcp-size", "2"],
+    ],
 )
 def test_parallel_flags_keep_greedy_output(checkpoint, reference, capsys, devices):
     argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]

@@ -129,7 +129,8 @@ SHARDED_NEEDS_JAX_0_10 = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("speculative", "dtype", "parallel"),
     [
-        (None, "auto", {}),
+        # 55 s; the n-gram engine's steps include the plain engine's (asserted below).
+        pytest.param(None, "auto", {}, marks=pytest.mark.heavy),
         (NGRAM, "auto", {}),
         # 25 s each (bfloat16 compiles every step anew; the mesh): with the heavy tests.
         pytest.param(
@@ -162,7 +163,9 @@ def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype, parallel):
     assert not lowering.failures, lowering.failures
     targets = ["verify_step"] if speculative else ["decode_steps"]
     if speculative == NGRAM:
-        targets.append("decode_until_recurs")  # draftless runs
+        # Draftless runs, and the decode program of steps where no row drafts (sampled rows
+        # step one call at a time): the plain engine's steps, so that case can be heavy.
+        targets += ["decode_until_recurs", "decode_steps"]
     for target in targets:
         assert lowering.lowered.get(target) and all(TRITON in t for t in lowering.lowered[target])
     with_kernel = [t for t in lowering.lowered["prefill_step"] if TRITON in t]

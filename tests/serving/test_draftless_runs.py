@@ -23,8 +23,9 @@ from tests.serving.test_speculative import SHAPES as speculative_shapes
 
 # Two repetitive prompts (lookup proposes there) and two that are not (draftless runs).
 PROMPTS = [[5, 6, 7, 8] * 5, list(range(10, 30)), list(range(40, 51)), [3, 9, 3, 9, 3]]
-# test_speculative's shapes (its programs compile once), with room for every request's pages:
-# under page pressure, when a request preempts depends on the steps, and so would the windows.
+# test_speculative's shapes (a worker that ran it finds these programs in its compile cache),
+# with room for every request's pages: under page pressure, when a request preempts depends on
+# the steps, and so would the windows.
 SHAPES = {**speculative_shapes, "num_pages": 64}
 SPEC_KEYS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps")
 

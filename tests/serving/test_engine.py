@@ -86,6 +86,7 @@ def test_preemption_keeps_outputs(model, reference):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
+@pytest.mark.heavy  # 20 s; DCP runs by default in test_speculative and test_engine_parallel
 def test_dcp_matches_single_device(model, reference):
     llm = make_llm(model, dcp_size=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference

@@ -192,6 +192,9 @@ def test_multi_turn_chat_hits_the_decode_snapshot(model):
     assert_drained(llm)
 
 
+# 28 s; the default run has prefix hits with DCP and n-gram speculation on a mesh
+# (test_engine_parallel).
+@pytest.mark.heavy
 def test_dcp4_and_speculation_with_cache(model, reference):
     prompts = [SYSTEM + q for q in QUESTIONS]
     expected = [reference[tuple(p)] for p in prompts]

@@ -114,7 +114,8 @@ def test_a_mixed_batch_generates_what_it_would_without(model, reference):
     [
         dict(async_scheduling=True),
         dict(speculative={"method": "ngram", "num_draft_tokens": 3}),
-        dict(dcp_size=2),
+        # 20 s; heavy: DCP splits attention only, whose outputs the DCP tests compare.
+        pytest.param(dict(dcp_size=2), marks=pytest.mark.heavy),
     ],
     ids=["async", "ngram", "dcp2"],
 )

@@ -116,6 +116,7 @@ def test_draft_model_preemption_keeps_outputs(model, reference):
     assert_drained(llm)
 
 
+@pytest.mark.heavy  # 21-26 s; also in make test-py312
 def test_bfloat16_model_verifies_wide_windows():
     """A bfloat16 model serves prompts and verify windows of 8+ tokens (both went through a
     product XLA:CPU could not run in bfloat16, and every such request failed), and greedy
@@ -301,6 +302,7 @@ def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
     assert_drained(llm)
 
 
+@pytest.mark.heavy  # 14 s; n-gram on a mesh runs by default in test_engine_parallel
 def test_dcp4_ngram_greedy_equals_plain(model):
     prompts = PROMPTS + [[5, 6, 7, 8] * 6]  # repetitive: prompt lookup proposes and is accepted
     plain = [o.token_ids for o in LLM(model, **SHAPES).generate(prompts, GREEDY, use_tqdm=False)]
@@ -761,7 +763,8 @@ def _by_source(windows):
     return lookup, model_drafts, accepted, mixed
 
 
-@pytest.mark.parametrize("dcp", [1, 4])
+# One device is heavy (23 s): DCP 4 runs the same windows with the draft cache spread.
+@pytest.mark.parametrize("dcp", [pytest.param(1, marks=pytest.mark.heavy), 4])
 def test_lookup_first_keeps_the_draft_in_step(model, dcp):
     """Lookup rows run no draft-model step in their window; after the verify the draft
     writes their accepted tokens. With the target as its own draft every model draft is
