@@ -25,13 +25,15 @@ lint: install-test
 
 # One worker per core, each test file on one worker (its module fixtures compile once): the
 # suite is compile-bound, and two workers took it from 15.9 to 9.5 min on the 2-core machine.
+# Files in collection order (tests/conftest.py puts the longest first), not xdist's default of
+# the most tests first, so no long file starts last and runs alone.
 test: lint
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # The heavy tests (marked `heavy`): the longest tests of features the default run covers
 # elsewhere, kept out of `make test`'s 15-minute budget; CI runs them after it.
 test-heavy: install-test
-	$(PY) -m pytest -q -n auto --dist loadfile -m heavy
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m heavy
 
 bench: install-test
 	$(PY) benchmarks/run_all.py

@@ -60,12 +60,31 @@ def _free_compiled_programs():
     gc.collect()
 
 
-# The heaviest files (about 5 and 4 minutes on the 2-core machine) first: `make test` runs each
-# file on one worker (--dist loadfile), in collection order, so a heavy file that starts last
-# runs alone at the end. A stable sort: every worker collects the same order, as xdist needs.
-HEAVY_FIRST = ("tests/model/test_train.py", "tests/serving/test_speculative.py")
+# The longest files first, longest first (seconds each took in a slow spell of the 2-core
+# machine, 2026-12-03): `make test` runs each file on one worker (--dist loadfile), in
+# collection order, so a long file that starts late runs alone at the end while the other
+# worker idles. A stable sort: every worker collects the same order, as xdist needs.
+LONGEST_FIRST = (
+    "tests/serving/test_speculative.py",  # 338
+    "tests/parallel/test_model_parallel.py",  # 127
+    "tests/model/test_cached_forward.py",  # 108
+    "tests/model/test_train.py",  # 105
+    "tests/serving/test_prompt_logprobs.py",  # 97
+    "tests/model/test_mla_moe.py",  # 95
+    "tests/serving/test_cli.py",  # 90
+    "tests/serving/test_prefix_cache.py",  # 86
+    "tests/serving/test_async_scheduling.py",  # 83
+    "tests/serving/test_ngram_table.py",  # 82
+    "tests/parallel/test_engine_parallel.py",  # 74
+    "tests/serving/test_engine.py",  # 68
+    "tests/serving/test_server.py",  # 66
+    "tests/serving/test_draftless_runs.py",  # 60
+    "tests/model/test_builtin.py",  # 57
+    "tests/serving/test_cuda_lowering.py",  # 55
+    "tests/model/test_parity.py",  # 49
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
