@@ -30,8 +30,7 @@ LENS1, LENS2 = np.array([13, 9]), np.array([6, 4])  # ragged rows
 PLANS = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 8)]
 # The default run keeps pure TP and the full mesh (the combine tests below run tp 4 x dcp 2 as
 # the engine serves it); tp 4 x dcp 2 here is heavy, the rest are marked slow.
-FAST_PLANS = {(2, 1), (8, 8)}
-HEAVY_PLANS = {(4, 2)}
+PLAN_MARKS = {(2, 1): (), (8, 8): (), (4, 2): pytest.mark.heavy}
 
 
 @functools.cache
@@ -98,11 +97,7 @@ def _compare(got, want):
             t,
             d,
             id=f"tp{t}-dcp{d}",
-            marks=()
-            if (t, d) in FAST_PLANS
-            else pytest.mark.heavy
-            if (t, d) in HEAVY_PLANS
-            else pytest.mark.slow,
+            marks=PLAN_MARKS.get((t, d), pytest.mark.slow),
         )
         for t, d in PLANS
     ],
