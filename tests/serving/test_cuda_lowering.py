@@ -153,7 +153,9 @@ def test_engine_steps_lower_for_cuda(monkeypatch, speculative, dtype, parallel):
     and the decode and verify steps and the prefill over a cached prefix call the kernel (on
     a mesh too: the kernel inside the model's shard_map, the lse merge over DCP ranks)."""
     lowering = CudaLowering(monkeypatch)
-    llm = LLM(max_num_seqs=2, dtype=dtype, speculative=speculative, **parallel)
+    # One batch bucket: each step compiles (on the CPU) and lowers once, not once per batch
+    # size (70 -> 49 s); the shapes a GPU would serve are these steps' too.
+    llm = LLM(max_num_seqs=2, batch_buckets=(2,), dtype=dtype, speculative=speculative, **parallel)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=1)
     llm.generate(PROMPTS[:1], greedy, use_tqdm=False)

@@ -257,6 +257,9 @@ def test_attention_only_draft_needs_no_rollback(model, reference, monkeypatch):
     assert_drained(llm)
 
 
+# 27 s; the default run verifies rejected windows on DCP 4 in
+# test_lookup_first_keeps_the_draft_in_step[4] and test_dcp4_draft_model_greedy_equals_plain.
+@pytest.mark.heavy
 def test_dcp4_greedy_equals_plain(model, reference):
     llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_2"]), dcp_size=4)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
