@@ -141,11 +141,12 @@ def decode_until_recurs(
         recurs = jnp.any(active & suffix_recurs(seq, length, min_n))
         return picked, cache, seq, length, recurs
 
-    # The first step outside the loop (a run may end after it), then the loop.
+    # Every step runs in the loop: the model is traced into the program once, which halves
+    # its size and compile time (a first step outside the loop, to give `out` its shapes,
+    # doubled them); `out` takes the picked arrays' shapes from an abstract step instead.
     token = jnp.take_along_axis(seq, (length - 1)[:, None], axis=1)[:, 0]
-    first, cache, seq, length, stop = step(jnp.int32(0), token, cache, seq, length)
+    first = jax.eval_shape(lambda: step(jnp.int32(0), token, cache, seq, length)[0])
     out = tuple(jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype) for x in first)
-    out = tuple(o.at[:, 0].set(x) for o, x in zip(out, first, strict=True))
 
     def more(carry):
         i, _, _, _, _, stop, _ = carry
@@ -157,6 +158,6 @@ def decode_until_recurs(
         out = tuple(o.at[:, i].set(x) for o, x in zip(out, picked, strict=True))
         return i + 1, picked[0], cache, seq, length, stop, out
 
-    carry = (jnp.int32(1), first[0], cache, seq, length, stop, out)
+    carry = (jnp.int32(0), token, cache, seq, length, jnp.bool_(False), out)
     i, _, cache, _, _, _, out = jax.lax.while_loop(more, body, carry)
     return out, i, cache
