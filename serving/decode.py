@@ -145,8 +145,8 @@ def decode_until_recurs(
     # its size and compile time (a first step outside the loop, to give `out` its shapes,
     # doubled them); `out` takes the picked arrays' shapes from an abstract step instead.
     token = jnp.take_along_axis(seq, (length - 1)[:, None], axis=1)[:, 0]
-    first = jax.eval_shape(lambda: step(jnp.int32(0), token, cache, seq, length)[0])
-    out = tuple(jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype) for x in first)
+    picked = jax.eval_shape(lambda: step(jnp.int32(0), token, cache, seq, length)[0])
+    out = tuple(jnp.zeros((x.shape[0], num_steps, *x.shape[1:]), x.dtype) for x in picked)
 
     def more(carry):
         i, _, _, _, _, stop, _ = carry
