@@ -154,9 +154,12 @@ def _wait_healthy(url: str, procs, log_dir) -> None:
         time.sleep(0.5)
 
 
-def _complete(url: str, prompt: list[int]) -> httpx.Response:
+def _complete(url: str, prompt: list[int], log_dir) -> httpx.Response:
     body = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
+    try:
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
+    except httpx.TransportError as e:  # a server process died: its logs say why
+        pytest.fail(f"{type(e).__name__}: {e}\n{_logs(log_dir)}")
 
 
 def _tokens(response: httpx.Response) -> list[int]:
@@ -176,8 +179,8 @@ def test_two_processes_serve_equals_one_device(checkpoint, tmp_path):
     try:
         _wait_healthy(url, procs, tmp_path)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            responses = list(pool.map(lambda p: _complete(url, p), PROMPTS[:2]))
-        responses.append(_complete(url, PROMPTS[2]))
+            responses = list(pool.map(lambda p: _complete(url, p, tmp_path), PROMPTS[:2]))
+        responses.append(_complete(url, PROMPTS[2], tmp_path))
         time.sleep(1)  # idle: the follower waits on process 0's empty messages
         procs[0].send_signal(signal.SIGINT)
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
