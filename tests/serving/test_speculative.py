@@ -257,8 +257,8 @@ def test_attention_only_draft_needs_no_rollback(model, reference, monkeypatch):
     assert_drained(llm)
 
 
-# 27 s; the default run verifies rejected windows on DCP 4 in
-# test_lookup_first_keeps_the_draft_in_step[4] and test_dcp4_draft_model_greedy_equals_plain.
+# 27 s; the default run verifies windows on DCP 4, rejected ones too, in
+# test_lookup_first_keeps_the_draft_in_step[4].
 @pytest.mark.heavy
 def test_dcp4_greedy_equals_plain(model, reference):
     llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_2"]), dcp_size=4)
@@ -319,6 +319,9 @@ def test_dcp4_ngram_greedy_equals_plain(model):
     assert_drained(llm)
 
 
+# 41 s; heavy: the default run's test_lookup_first_keeps_the_draft_in_step[4] runs the same
+# draft (the target itself, its caches on the DCP 4 mesh) with every model draft accepted.
+@pytest.mark.heavy
 def test_dcp4_draft_model_greedy_equals_plain(model, reference):
     """The draft shares the DCP mesh and keeps its own DCP caches: the target as its own draft
     proposes exactly the target's tokens, so everything it drafts is accepted."""
