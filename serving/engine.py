@@ -161,6 +161,9 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
         self.model, self.tokenizer = _load_model(model, dtype, tokenizer, par)
         self.config = self.model.config
         draft_model = self._load_draft(dtype) if drafter is None else None
+        # Several processes on a CPU: every collective group opens now, all together.
+        draft_mesh = draft_model.par.mesh if draft_model is not None else None
+        distributed_mod.open_groups(par.mesh, draft_mesh)
         k = self.speculative.window_drafts if self.speculative else 0
         # Prefix caching: checkpoint slots follow the request slots in the same KDA arrays, so
         # a restore or snapshot is one on-device copy (the layout says where each slot is).

@@ -19,9 +19,16 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kimi_linear_jax.parallel.mesh import shard_map
 
 ENV = {
     "coordinator_address": "KIMI_COORDINATOR_ADDRESS",
@@ -31,6 +38,9 @@ ENV = {
 # A process that stops answering is declared dead after this long, and the others exit with
 # an error instead of waiting in a collective forever (jax's default is 100 s).
 HEARTBEAT_TIMEOUT_S = 30
+# How long `open_groups` waits for the slowest process (loading its weights, say).
+GROUPS_BARRIER_TIMEOUT_S = 600
+_barrier_ids = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +122,44 @@ def is_leader() -> bool:
 
 def multi_process() -> bool:
     return jax.process_count() > 1
+
+
+def open_groups(*meshes) -> None:
+    """Open, with every process together, each device group that a collective of the engine
+    may use: the process groups of `multihost_utils` (the lockstep broadcast, `assert_equal`)
+    and, on each mesh given (None: one device), the group of every set of its axes.
+
+    Why: on a CPU, JAX's collectives are gloo's, which connects a device group at the
+    group's first collective and gives every process 30 s to arrive there (fixed; neither
+    JAX nor XLA sets it), after which the early ones fail and the coordination service ends
+    them all. A process that loads or compiles more slowly, or that starts an HTTP server
+    first, can be that late. Once a group is open its collectives wait as long as XLA's
+    collective timeout (minutes), so the processes first meet at a barrier of the
+    coordination service, whose timeout is ours, and then open every group at once. On
+    other backends, or with one process, this does nothing."""
+    if not multi_process() or jax.default_backend() != "cpu":
+        return
+    from jax._src import distributed as jax_distributed  # the barrier: no public API
+
+    barrier = f"kimi_linear_jax/open_groups/{next(_barrier_ids)}"
+    jax_distributed.global_state.client.wait_at_barrier(barrier, GROUPS_BARRIER_TIMEOUT_S * 1000)
+    multihost_utils.broadcast_one_to_all(np.zeros(1, np.uint8))
+    multihost_utils.process_allgather(np.zeros(1, np.uint8))
+    for mesh in meshes:
+        if mesh is not None:
+            for axes in _axis_sets(mesh.axis_names):
+                _psum_over(mesh, axes)
+
+
+def _axis_sets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every nonempty set of the axes: a collective over it reduces within one group."""
+    return [c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
+
+
+def _psum_over(mesh, axes: tuple[str, ...]) -> None:
+    spec = P(mesh.axis_names)
+    x = jax.make_array_from_callback(
+        (mesh.size,), NamedSharding(mesh, spec), lambda index: np.ones(1, np.float32)
+    )
+    fn = shard_map(lambda v: jax.lax.psum(v, axes), mesh, in_specs=spec, out_specs=spec)
+    jax.block_until_ready(jax.jit(fn)(x))

@@ -58,13 +58,30 @@ def _env() -> dict:
     return {**env, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
 
-def _launch(checkpoint, out_dir, extra=(), num_processes=2):
-    """Start the processes of one `generate` run; process i writes out_dir/out{i}.jsonl."""
+# `kimi-linear-jax` whose model load starts {late_s} s late.
+LATE_LOAD = """
+import time
+import serving.engine as engine
+load = engine._load_model
+def late(*args):
+    time.sleep({late_s})
+    return load(*args)
+engine._load_model = late
+from serving.cli import entry
+entry()
+"""
+
+
+def _launch(checkpoint, out_dir, extra=(), num_processes=2, late_s=0):
+    """Start the processes of one `generate` run; process i writes out_dir/out{i}.jsonl.
+    late_s: process 1 loads the model that much later than process 0."""
     port = _free_port()
     procs = []
     for i in range(num_processes):
+        late = i == 1 and late_s > 0
+        cli = ["-c", LATE_LOAD.format(late_s=late_s)] if late else ["-m", "serving.cli"]
         cmd = [
-            sys.executable, "-m", "serving.cli", "generate",
+            sys.executable, *cli, "generate",
             "--model", str(checkpoint), "--dtype", "float32",
             "--input", str(checkpoint / "prompts.jsonl"),
             "--output", str(out_dir / f"out{i}.jsonl"),
@@ -117,6 +134,17 @@ def test_plain_run_and_a_dying_process(checkpoint, tmp_path):
     assert lone[0].returncode != 0
     assert "heartbeat" in err  # the coordination service names the task that stopped
     assert not (tmp_path / "x" / "out0.jsonl").exists()
+
+
+@pytest.mark.heavy  # 75 s, 35 of them waiting
+def test_a_process_late_past_gloos_window_still_joins(checkpoint, tmp_path):
+    """gloo gives every process 30 s to reach a device group's first collective; process 1
+    loads its model 35 s after process 0, and the run still equals one device: the engine
+    opens its groups after a barrier of the coordination service (`open_groups`)."""
+    codes, errors = _wait(_launch(checkpoint, tmp_path, late_s=35))
+    assert codes == [0, 0], errors
+    rows = [json.loads(line) for line in (tmp_path / "out0.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == greedy_generate(base_model(), PROMPTS, MAX_TOKENS)
 
 
 def _launch_serve(checkpoint, log_dir, http_port: int):
