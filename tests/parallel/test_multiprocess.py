@@ -136,7 +136,7 @@ def test_plain_run_and_a_dying_process(checkpoint, tmp_path):
     assert not (tmp_path / "x" / "out0.jsonl").exists()
 
 
-@pytest.mark.heavy  # 75 s, 35 of them waiting
+@pytest.mark.heavy  # 63 s, 35 of them waiting
 def test_a_process_late_past_gloos_window_still_joins(checkpoint, tmp_path):
     """gloo gives every process 30 s to reach a device group's first collective; process 1
     loads its model 35 s after process 0, and the run still equals one device: the engine
