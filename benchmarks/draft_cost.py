@@ -39,6 +39,7 @@ from flax import nnx  # noqa: E402
 
 import serving.runner as runner_mod  # noqa: E402
 import serving.speculative.draft_model as draft_mod  # noqa: E402
+import serving.speculative.steps as steps_mod  # noqa: E402
 from kimi_linear_jax import load_pretrained  # noqa: E402
 from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, save_pretrained  # noqa: E402
 from kimi_linear_jax.presets import preset  # noqa: E402
@@ -60,7 +61,7 @@ CANDIDATES = {
 # (module, function name, what it is) of the compiled calls timed.
 CALLS = [
     (runner_mod, "decode_steps", "plain"),
-    (runner_mod, "verify_step", "verify"),
+    (steps_mod, "verify_step", "verify"),
     (draft_mod, "decode_steps", "draft"),
     (draft_mod, "_rollback", "rollback"),
 ]

@@ -35,6 +35,7 @@ from code_speculation import prompts_from_held_out  # noqa: E402
 from common import print_table, serving_heap, write_json  # noqa: E402
 
 import serving.runner as runner_mod  # noqa: E402
+import serving.speculative.steps as steps_mod  # noqa: E402
 from kimi_linear_jax.layers import linear  # noqa: E402
 from serving.engine import LLM  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
@@ -44,7 +45,7 @@ WIDTHS = (2, 3, 5, 9)
 
 def capture(llm: LLM, prompt: list[int]) -> dict:
     """The runner's last decode call and last full-width verify call (args, kwargs)."""
-    captured, real_v, real_d = {}, runner_mod.verify_step, runner_mod.decode_steps
+    captured, real_v, real_d = {}, steps_mod.verify_step, runner_mod.decode_steps
 
     def verify(*args, **kwargs):
         if args[3].shape[1] == max(WIDTHS) - 1:
@@ -55,12 +56,12 @@ def capture(llm: LLM, prompt: list[int]) -> dict:
         captured["decode"] = (args, kwargs)
         return real_d(*args, **kwargs)
 
-    runner_mod.verify_step, runner_mod.decode_steps = verify, decode
+    steps_mod.verify_step, runner_mod.decode_steps = verify, decode
     try:
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)
     finally:
-        runner_mod.verify_step, runner_mod.decode_steps = real_v, real_d
+        steps_mod.verify_step, runner_mod.decode_steps = real_v, real_d
     return captured
 
 
@@ -72,7 +73,7 @@ def calls(captured: dict) -> dict:
         args = list(va)
         args[3] = np.asarray(va[3])[:, : w - 1]
         args[4] = np.minimum(np.asarray(va[4]), w - 1)
-        out[f"window {w}"] = (runner_mod.verify_step, args, vk, 5)
+        out[f"window {w}"] = (steps_mod.verify_step, args, vk, 5)
     return out
 
 

@@ -23,6 +23,7 @@ from flax import nnx
 
 import serving.runner as runner_mod
 import serving.speculative.draft_model as draft_mod
+import serving.speculative.steps as steps_mod
 import serving.state_pool as state_pool_mod
 from kimi_linear_jax.model import HashedGraph, merge, split_flat
 from serving.engine import LLM
@@ -34,14 +35,8 @@ TRITON = "__gpu$xla.gpu.triton"
 
 # Module-level jitted functions the engine calls (by their importers' names).
 STEPS = {
-    runner_mod: (
-        "prefill_step",
-        "decode_steps",
-        "decode_until_recurs",
-        "verify_step",
-        "pick_jit",
-        "_next_ids",
-    ),
+    runner_mod: ("prefill_step", "decode_steps", "pick_jit", "_next_ids"),
+    steps_mod: ("decode_until_recurs", "verify_step"),
     draft_mod: ("prefill_step", "decode_steps", "_write_lag", "_catch_up", "_rollback"),
     state_pool_mod: ("copy_slots", "reset_cache_slots"),
 }

@@ -151,6 +151,7 @@ def test_steps_without_drafts_run_the_decode_program(model, reference, monkeypat
     """When adaptive drafting stops every row, the step runs the plain decode program, not a
     one-token verify window; a verify program runs only when some row drafts."""
     import serving.runner as runner_module
+    import serving.speculative.steps as steps_module
 
     calls = collections.Counter()
 
@@ -163,7 +164,7 @@ def test_steps_without_drafts_run_the_decode_program(model, reference, monkeypat
 
         return wrapper
 
-    monkeypatch.setattr(runner_module, "verify_step", counted("verify", verify_step))
+    monkeypatch.setattr(steps_module, "verify_step", counted("verify", verify_step))
     monkeypatch.setattr(
         runner_module, "decode_steps", counted("decode", runner_module.decode_steps)
     )

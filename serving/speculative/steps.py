@@ -1,0 +1,145 @@
+"""The runner's speculative steps (`ModelRunner` inherits them): a decode step of an engine with
+a drafter becomes one verify window per row, or, where no row drafts, plain steps.
+
+- `_verify`: the drafter proposes, the target verifies every row's window and accepts on device
+  (`speculative/verify.py`), the drafter rolls back to what was committed; one transfer.
+- `_draftless`: no row drafted, so the plain decode program runs (cheaper than a one-token
+  window). With the n-gram drafter, a step in which no row finds a recurring suffix to draft
+  from goes on as plain steps on device until some row's would recur
+  (`decode.decode_until_recurs`, at most each row's reserved window, `_until_recurs`): one call
+  for what would be one call per token; where each request proposes stays the same.
+
+The methods read the runner's batch building (`_batch`, `_sampling_inputs`, `dispatch_decode`,
+`collect`) and its state (`cache`, `drafter`, `num_draft_tokens`, `commit_recurrent`,
+`spec_counts`, `draftless_runs`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from serving.decode import decode_until_recurs
+from serving.request import Request
+from serving.scheduler import SchedulerOutput
+from serving.speculative.verify import verify_step
+from serving.step_result import StepResult, host_samples, sample_mode
+
+# Smallest width of the token history a draftless run checks for recurrence (`_until_recurs`).
+MIN_HISTORY = 256
+
+
+class SpeculativeSteps:
+    """Verify windows and draftless runs, mixed into `ModelRunner`."""
+
+    def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
+        """Speculative decode: drafts, then one verify window per row, accepted on device."""
+        requests = output.decode
+        b, batch = self._batch([output.placement[r.request_id] for r in requests])
+        last = np.zeros(b, np.int32)
+        for i, r in enumerate(requests):
+            last[i] = r.all_token_ids[-1]
+        k = self.num_draft_tokens
+        tracked = [i for i, r in enumerate(requests) if r.request_id in output.track]
+        drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k, tracked)
+        if not np.asarray(num).any():
+            if not output.track:
+                return self._draftless(output, batch, result)
+            drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
+        mode = sample_mode(requests)
+        rows: list[Request | None] = list(requests)
+        track_slots = np.full(b, -1, np.int32)
+        track_steps = np.full(b, -1, np.int32)
+        for i, r in enumerate(requests):
+            if r.request_id in output.track:
+                track_slots[i], tp = output.track[r.request_id]
+                track_steps[i] = tp.ith
+        picked, self.cache = verify_step(
+            self.graphdef,
+            self.params,
+            last,
+            drafts,
+            num,
+            self.cache,
+            batch,
+            *self._sampling_inputs(rows, b, mode),
+            track_slots,
+            track_steps,
+            mode=mode,
+            commit_recurrent=self.commit_recurrent,
+            track=bool(output.track),
+        )
+        tokens, commit_lens, *logprobs = picked
+        track = (track_slots, track_steps) if output.track else None
+        self.drafter.rollback(batch.slots, commit_lens, track)
+        host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
+        commit_lens, num = np.asarray(host[0]), np.asarray(num)
+        samples = host_samples(host[1:], rows, mode)
+        n = len(requests)
+        self.spec_counts["draft_tokens"] += int(num[:n].sum())
+        self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
+        self.spec_counts["verify_rows"] += n
+        for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
+            result.samples[r.request_id] = row[: commit_lens[i]]
+            gated = r.request_id not in self.drafter.ungated
+            result.num_drafts[r.request_id] = int(num[i]) if gated else 0
+
+    def _draftless(self, output: SchedulerOutput, batch, result: StepResult) -> None:
+        """No row drafted (nothing recurs, or adaptive drafting stopped them all): the window
+        is each row's last token alone, which the plain decode step computes for less than a
+        verify program (no window, no acceptance, no commit). A drafter with a cache keeps
+        its one step. Where the drafter's next proposal is foreseeable on device and every row
+        may draft in every step (none rests or probes), the steps go on there until one would
+        (`_until_recurs`)."""
+        requests = output.decode
+        n = self.drafter.recurrence_n
+        steady = all(output.max_drafts) and not output.probes
+        if self.draftless_runs and n is not None and steady:
+            samples, steps = self._until_recurs(output, batch, n)
+        else:
+            samples = self.collect(self.dispatch_decode(output, steps=[1] * len(requests)))
+            samples, steps = samples.samples, np.ones(batch.slots.shape, np.int32)
+        self.drafter.rollback(batch.slots, steps)
+        result.samples.update(samples)
+        # Each step counts as the one-token verify it is synchronously: the metrics are those
+        # of stepping one call at a time.
+        self.spec_counts["verify_rows"] += int(steps[: len(requests)].sum())
+        for r in requests:
+            result.num_drafts[r.request_id] = 0
+
+    def _until_recurs(self, output: SchedulerOutput, batch, n: int):
+        """Run draftless rows' plain steps on device until some row's last n tokens recur
+        (`decode.decode_until_recurs`), at most each row's reserved window: one call and one
+        transfer instead of one per token. (samples by request, steps run per batch row)."""
+        requests = output.decode
+        b = batch.slots.shape[0]
+        steps = np.zeros(b, np.int32)
+        steps[: len(requests)] = output.decode_steps
+        tokens = [r.all_token_ids for r in requests]
+        width = MIN_HISTORY  # power-of-two widths: few programs
+        while width < max(map(len, tokens)) + self.num_draft_tokens + 1:
+            width *= 2
+        seq = np.zeros((b, width), np.int32)
+        length = np.ones(b, np.int32)  # padding rows: token 0, no steps
+        for i, t in enumerate(tokens):
+            seq[i, : len(t)] = t
+            length[i] = len(t)
+        mode = sample_mode(requests)
+        picked, ran, self.cache = decode_until_recurs(
+            self.graphdef,
+            self.params,
+            seq,
+            length,
+            self.cache,
+            batch,
+            steps,
+            self._sampling_inputs(list(requests), b, mode)[0],
+            num_steps=self.num_draft_tokens + 1,
+            min_n=n,
+            mode=mode,
+        )
+        ran, picked = jax.device_get((ran, picked))  # one transfer
+        steps = np.minimum(steps, int(ran))
+        rows = host_samples(picked, list(requests), mode)
+        samples = {r.request_id: row[: steps[i]] for i, (r, row) in enumerate(zip(requests, rows))}
+        return samples, steps
