@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     serving_heap()
     spec = {"method": "ngram", "num_draft_tokens": max(WIDTHS) - 1, "min_acceptance": 0.0}
     llm = LLM(speculative=spec, max_num_seqs=1, num_pages=64, dtype="float32")
+    # Draftless steps one call at a time, so that a plain decode call (`decode_steps`) is made
+    # to capture; runs on device would call `decode_until_recurs` instead.
+    llm.runner.draftless_runs = False
     (prompt,) = prompts_from_held_out(llm.tokenizer, 128, 128, 1)
     todo = calls(capture(llm, prompt))
     cache = [llm.runner.cache]
