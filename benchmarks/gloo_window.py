@@ -9,9 +9,10 @@ What it shows (the reason for `parallel/distributed.py::open_groups`): the first
 of a device group fails after 30 s when a process is later than that (gloo connects the
 group then, with a fixed 30 s timeout); once the group is open, all-reduce, all-gather and
 all-to-all wait for the late process, also in another program; reduce-scatter fails after 30 s
-even then (jax-ml/jax#40831).
+even then (jax-ml/jax#40831), except where its input needs an all-gather over the same group in
+the same program (`ag_rs`, as in DCP's combine): the processes meet at the all-gather.
 
-Run: ``python benchmarks/gloo_window.py [--late 40]`` (about 45 s a case, 6 cases).
+Run: ``python benchmarks/gloo_window.py [--late 40]`` (about 45 s a case, 7 cases).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CASES = [
     ("psum_all", "psum_a"),
     ("psum_all,psum_a,psum_b", "all_to_all_a"),
     ("psum_all", "psum_scatter_all"),
+    ("psum_all", "ag_rs_all"),
 ]
 ALL = ("a", "b")
 
@@ -58,6 +60,9 @@ def _collective(kind: str):
             return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
         if op == "psum_scatter":
             return jax.lax.psum_scatter(x, axes, tiled=True).repeat(8, 0)
+        if op == "ag_rs":  # DCP's `ag_rs`: what is reduce-scattered needs the all-gather
+            scale = jax.lax.all_gather(x, axes, tiled=True).sum()
+            return jax.lax.psum_scatter(x * scale, axes, tiled=True).repeat(8, 0)
         raise ValueError(f"unknown collective {kind!r}")
 
     return body

@@ -131,6 +131,8 @@ def combine_ag_rs(o: jax.Array, lse: jax.Array, c: int) -> tuple[jax.Array, jax.
     lse_out = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
     w = jnp.exp(lse - m) / safe  # 0 for an empty slice
     o = jnp.where((w > 0)[..., None], w[..., None] * o, 0.0)
+    # Across CPU processes gloo's reduce-scatter gives up after 30 s (jax-ml/jax#40831); it
+    # never waits here: its input needs the all-gather above, at which the processes meet.
     o = jax.lax.psum_scatter(o, DCP_AXIS, scatter_dimension=2, tiled=True)
     return o, _own_heads(lse_out, c)
 
