@@ -42,6 +42,7 @@ fused scan the counts advance on device. Logprobs (the sampled token and the top
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -50,7 +51,7 @@ import numpy as np
 
 from kimi_linear_jax.cache import Batch, CacheLayout
 from kimi_linear_jax.model import prefill_step, split_flat
-from kimi_linear_jax.parallel.rules import init_cache
+from kimi_linear_jax.parallel.rules import layout_cache
 from serving.allocator import NULL_PAGE, block_table_row
 from serving.decode import decode_steps, pick_jit
 from serving.prompt_logprobs import entries, prompt_logprobs_step, targets
@@ -127,14 +128,7 @@ class ModelRunner(SpeculativeSteps):
         self.max_pages_per_seq = max_pages_per_seq or (layout.num_pages - 1)
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.token_buckets = tuple(sorted(token_buckets))
-        self._new_cache = lambda: init_cache(
-            self.config,
-            model.par,
-            num_slots=layout.num_slots,
-            num_pages=layout.num_pages,
-            page_size=layout.tokens_per_page,
-            dtype=model.dtype,
-        )
+        self._new_cache = functools.partial(layout_cache, model, layout)
         self.cache = self._new_cache()
 
     def caches_lost(self) -> bool:

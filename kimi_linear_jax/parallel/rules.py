@@ -138,6 +138,19 @@ def init_cache(config, par: Parallel, *, num_slots: int, num_pages: int, page_si
     return jax.jit(make, out_shardings=shardings(specs, par.mesh))()
 
 
+def layout_cache(model, layout) -> ModelCache:
+    """`init_cache` for `model` (its config, plan and dtype) at a serving `CacheLayout`'s sizes:
+    the target's and the draft's caches of one engine share the layout's slots and pages."""
+    return init_cache(
+        model.config,
+        model.par,
+        num_slots=layout.num_slots,
+        num_pages=layout.num_pages,
+        page_size=layout.tokens_per_page,
+        dtype=model.dtype,
+    )
+
+
 def shard_elements(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) -> int:
     """Elements of one device's shard of an array of `shape` laid out by `spec`."""
     n = 1

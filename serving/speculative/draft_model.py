@@ -36,7 +36,7 @@ import numpy as np
 from kimi_linear_jax.cache import Batch, CacheLayout, KDAState
 from kimi_linear_jax.layers.block import state_rows
 from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
-from kimi_linear_jax.parallel.rules import init_cache
+from kimi_linear_jax.parallel.rules import layout_cache
 from serving.decode import decode_steps
 from serving.speculative.drafter import Drafter
 from serving.speculative.lag import Lag
@@ -130,14 +130,7 @@ class DraftModelDrafter(Drafter):
         self.par = model.par
         self.has_state = model.has_recurrent_state
         self.graphdef, self.params = split_flat(model)
-        self._new_cache = lambda: init_cache(
-            self.config,
-            model.par,
-            num_slots=layout.num_slots,
-            num_pages=layout.num_pages,
-            page_size=layout.tokens_per_page,
-            dtype=model.dtype,
-        )
+        self._new_cache = functools.partial(layout_cache, model, layout)
         self.cache = self._new_cache()
         self._per_step = None  # the last window's per-step KDA states, for the rollback
         self._model_rows = None  # the rows the draft model ran for in the last window
