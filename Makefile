@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test test-heavy test-py312 bench lint install install-test
+.PHONY: run test test-heavy test-py312 gpu-compile bench lint install install-test
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -55,3 +55,19 @@ test-py312:
 	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/kernels tests/parallel tests/model/test_mla_moe.py; \
 	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu" tests/serving/test_speculative.py -k "bfloat16 or track_points"; \
 	$(VENV312)/bin/python -m pytest -q -m "not slow and not gpu and not heavy" tests/serving/test_cuda_lowering.py
+
+
+# The GPU build proven without a GPU: every MLA kernel launch and every engine step compiled
+# deviceless for an H200 (kernels/gpu_target.py), in a venv of its own with the CUDA plugin at
+# the installed jax's version. Fails on a failed compile or a spill in the kernel; the report
+# goes to out/gpu_compile/gpu_compile.json (benchmarks/RESULTS.md, "Deviceless H200 compile").
+VENVCUDA := .venv-cuda
+gpu-compile:
+	@set -e; \
+	[ -x $(VENVCUDA)/bin/python ] || $(PYTHON) -m venv $(VENVCUDA); \
+	$(VENVCUDA)/bin/python -m pip install -q --upgrade pip; \
+	$(VENVCUDA)/bin/python -m pip install -q -e '.[gpu-compile]'; \
+	JAXV=$$($(VENVCUDA)/bin/python -c "import jax; print(jax.__version__)"); \
+	$(VENVCUDA)/bin/python -m pip install -q "jax-cuda12-plugin==$$JAXV" "jax-cuda12-pjrt==$$JAXV"; \
+	JAX_PLATFORMS=cpu $(VENVCUDA)/bin/python -m pytest -q -m deviceless tests/kernels/test_deviceless.py; \
+	JAX_PLATFORMS=cpu $(VENVCUDA)/bin/python benchmarks/gpu_compile.py --out out/gpu_compile

@@ -137,6 +137,18 @@ CASES = [
     # the release dims, L = 512 latent + R = 64 rope
     Case(T=1, H=16, page_size=64, P=3, ctx=(130, 0, 64), dtype=jnp.bfloat16, L=512, R=64),
     Case(T=2, H=3, page_size=16, P=5, ctx=(50, 17), L=512, R=64, knobs=(("num_splits", 2),)),
+    # bf16 with 64 folded rows: the 64-row tile (wgmma's) walks pages in half-page key tiles
+    Case(T=4, H=16, page_size=64, P=3, ctx=(150, 70), dtype=jnp.bfloat16, L=512, R=64),
+    # every tile knob below its default: key tiles, latent output tiles, score chunks
+    Case(
+        T=3,
+        H=5,
+        page_size=64,
+        P=3,
+        ctx=(129, 40),
+        L=128,
+        knobs=(("block_n", 16), ("block_l", 32), ("block_k", 64)),
+    ),
 ]
 
 
@@ -150,7 +162,7 @@ def test_matches_reference(case: Case):
 
 
 @pytest.mark.parametrize("poison", [np.nan, 1e30], ids=["nan", "1e30"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[-1]], ids=lambda c: c.id)
 def test_poisoned_pages_leave_output_bit_identical(case: Case, poison: float):
     q_lat, q_pe, cache, table, lens, unowned = make_batch(case)
     fn = kernel(sm_scale=sm_scale(case), **dict(case.knobs))
@@ -174,11 +186,20 @@ def test_verify_rows_equal_single_row_decodes(case: Case):
         check((o[:, sl], lse[:, sl]), got, case.dtype, f"t={t}")
 
 
-def test_bad_tile_raises():
+@pytest.mark.parametrize(
+    ("knob", "message"),
+    [
+        ({"block_h": 24}, "block_h = 24 must be a power of two"),
+        ({"block_n": 32}, r"block_n = 32 must be a power of two in \[16, 16\]"),
+        ({"block_l": 8}, r"block_l = 8 must be a power of two in \[16, 64\]"),
+        ({"block_k": 48}, r"block_k = 48 must be a power of two in \[16, 64\]"),
+    ],
+)
+def test_bad_tile_raises(knob, message):
     case = Case(T=1, H=3, page_size=16, P=2, ctx=(3,))
     q_lat, q_pe, cache, table, lens, _ = make_batch(case)
-    with pytest.raises(ValueError, match="block_h"):
-        mla_paged_attention(q_lat, q_pe, cache, table, lens, sm_scale=1.0, block_h=24)
+    with pytest.raises(ValueError, match=message):
+        mla_paged_attention(q_lat, q_pe, cache, table, lens, sm_scale=1.0, **knob)
 
 
 def _abstract(B, T, H, L, R, page_size, P, dtype, num_pages=64):
