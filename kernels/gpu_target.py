@@ -41,13 +41,13 @@ class Target:
     regs_per_sm: int
     threads_per_sm: int
     bandwidth: float  # bytes per second
+    device_memory: int  # bytes
 
     @classmethod
     def load(cls, name: str) -> Target:
         path = TARGETS_DIR / f"{name}.txtpb"
         if not path.exists():
-            known = sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb"))
-            raise ValueError(f"unknown GPU target {name!r}; known: {known}")
+            raise ValueError(f"unknown GPU target {name!r}; known: {known_targets()}")
         text = path.read_text()
 
         def field(key: str) -> float:
@@ -62,7 +62,17 @@ class Target:
             regs_per_sm=int(field("registers_per_core_limit")),
             threads_per_sm=int(field("threads_per_core_limit")),
             bandwidth=field("memory_bandwidth"),
+            device_memory=int(field("device_memory_size")),
         )
+
+
+def known_targets() -> list[str]:
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.txtpb"))
+
+
+class NoGpuCompiler(OSError):
+    """This machine cannot compile for a GPU: the CUDA plugin (and its ptxas) is missing.
+    An OSError so the command line reports it as a plain `error:`."""
 
 
 @functools.cache
@@ -75,7 +85,7 @@ def topology(target: str = "h200", shape: str = "1x1x1"):
             target, platform="cuda", target_config=Target.load(target).text, topology=shape
         )
     except NotImplementedError as e:
-        raise RuntimeError(
+        raise NoGpuCompiler(
             "deviceless GPU compiles need the CUDA plugin: pip install -e '.[gpu-compile]' "
             "and run with JAX_PLATFORMS=cpu"
         ) from e

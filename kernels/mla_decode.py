@@ -324,8 +324,12 @@ def mla_paged_attention(
     block_table [B, P] int32, kv_lens [B, T] int32 (keys visible to each query row)
     -> o [B, T, H, L] f32, lse [B, T, H] f32 (natural log; a row that sees nothing: 0, -inf).
 
-    Dots run in the promoted dtype of the queries and the cache (bf16 tensor cores for a bf16
-    model), accumulating in f32; probabilities are cast to that dtype for the value product.
+    Dots run in the promoted dtype of the queries and the cache, accumulating in f32;
+    probabilities are cast to that dtype for the value product. bf16 queries over a bf16 cache
+    get bf16 tensor cores; the bf16 engine today passes f32 absorbed queries (the absorption
+    accumulates in f32), so its dots promote to f32 over the bf16 cache (3-pass tf32 on a
+    GPU). Casting the absorbed queries to bf16 would take the faster path: a numerics choice,
+    left to measure against the reference first.
     L, R and page_size must be powers of two >= 16 (the release L = 512, R = 64 are).
 
     Tuning knobs (static): `block_h` rows a program (power of two >= 16; default: the folded

@@ -98,11 +98,19 @@ def plan_pools(model, draft, opts: PoolOptions) -> tuple[CacheLayout, MemoryPlan
     if opts.num_pages is not None or memory is None:
         return _fixed(opts, model.par.dcp), None
     kw = _plan_kwargs(model, draft, opts, memory, devices)
+    plan = measured_plan(model, opts, kw, lambda plan: compiled_peak(model, plan, opts))
+    return plan.layout(), plan
+
+
+def measured_plan(model, opts: PoolOptions, kw: dict, measure) -> MemoryPlan:
+    """The estimate's plan, then planned again from `measure(plan)`: the largest steps'
+    compiled peak at its rows (halving the rows while that leaves too little beside it).
+    `measure` returning None (the backend reports no memory) keeps the estimate."""
     plan = _fitting(plan_memory(model.config, **kw))
     for _ in range(MEASURE_TRIES):
-        peak = compiled_peak(model, plan, opts)
-        if peak is None:  # the backend reports no compiled memory: the estimate stays
-            return plan.layout(), plan
+        peak = measure(plan)
+        if peak is None:
+            return plan
         rows = padded_rows(plan.max_num_seqs, opts.batch_buckets)
         sampling = rows * (opts.num_draft_tokens + 1) * model.config.vocab_size
         peak += sampling * SAMPLING_BYTES_PER_VOCAB
@@ -110,10 +118,10 @@ def plan_pools(model, draft, opts: PoolOptions) -> tuple[CacheLayout, MemoryPlan
             model.config, **{**kw, "activation_bytes": peak, "max_num_seqs": plan.max_num_seqs}
         )
         if measured.fits or plan.max_num_seqs == 1:
-            return _fitting(measured).layout(), measured
+            return _fitting(measured)
         # The steps compiled for these rows leave too little beside them: fewer rows.
         plan = _fitting(plan_memory(model.config, **{**kw, "max_num_seqs": rows // 2 or 1}))
-    return _fitting(measured).layout(), measured
+    return _fitting(measured)
 
 
 def _fitting(plan: MemoryPlan) -> MemoryPlan:
@@ -153,9 +161,13 @@ def _plan_kwargs(model, draft, opts: PoolOptions, memory, devices) -> dict:
     )
 
 
-def compiled_peak(model, plan: MemoryPlan, opts: PoolOptions) -> int | None:
+def compiled_peak(
+    model, plan: MemoryPlan, opts: PoolOptions, place=lambda args: args
+) -> int | None:
     """The larger activation peak of the two largest steps at `plan`'s shapes: temporaries
-    plus outputs that are not donated buffers, per device. None if the backend reports none."""
+    plus outputs that are not donated buffers, per device. None if the backend reports none.
+    `place`: maps each step's abstract arguments onto the devices to compile for (a GPU
+    target's, `serving.target_plan`); by default they are the model's own."""
     layout = plan.layout()
     width = layout.pages_for(plan.max_model_len)
     graphdef, params = nnx.split(model)
@@ -165,12 +177,13 @@ def compiled_peak(model, plan: MemoryPlan, opts: PoolOptions) -> int | None:
     rows = padded_rows(min(plan.max_num_seqs, budget), opts.batch_buckets)
     tokens = padded_rows(min(opts.chunk_size, budget), opts.token_buckets)
     batch = _batch(rows, width)
-    prefill = prefill_step.lower(
-        graphdef, params, _ids(rows, tokens), cache, batch, has_prefix=True, last_only=True
-    )
+    args = place((params, _ids(rows, tokens), cache, batch))
+    prefill = prefill_step.lower(graphdef, *args, has_prefix=True, last_only=True)
     rows = padded_rows(plan.max_num_seqs, opts.batch_buckets)
     window = opts.num_draft_tokens + 1
-    decode = decode_step.lower(graphdef, params, _ids(rows, window), cache, _batch(rows, width))
+    decode = decode_step.lower(
+        graphdef, *place((params, _ids(rows, window), cache, _batch(rows, width)))
+    )
     peaks = [_peak(step.compile().memory_analysis()) for step in (prefill, decode)]
     return None if None in peaks else max(peaks)
 

@@ -19,7 +19,17 @@ def add_plan_parser(sub) -> None:
     src = pl.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="default: kimi-linear-48b-a3b")
     src.add_argument("--config", default=None, help="a checkpoint's config.json or directory")
-    pl.add_argument("--device-memory", required=True, help="per device: 80GiB, 141GB, bytes")
+    pl.add_argument(
+        "--device-memory",
+        default=None,
+        help="per device: 80GiB, 141GB, bytes (default: --target's)",
+    )
+    pl.add_argument(
+        "--target",
+        default=None,
+        help="a GPU target (h200): the largest steps compiled deviceless for it give the "
+        "activation, where the planner otherwise estimates it (needs the gpu-compile extra)",
+    )
     pl.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pl.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     pl.add_argument("--dcp-size", type=int, default=None)
@@ -67,14 +77,20 @@ def cmd_plan(args) -> int:
     from kimi_linear_jax.parallel.mesh import resolve_sizes
     from kimi_linear_jax.parallel.plan import plan_memory
 
+    memory = args.device_memory
+    if args.target is not None:
+        from kernels.gpu_target import Target
+
+        memory = memory or Target.load(args.target).device_memory  # unknown: ValueError
+    if memory is None:
+        raise ValueError("--device-memory is needed without --target")
     config, auto = _plan_config(args.preset, args.config)
     draft = None
     if args.draft_preset or args.draft_config:
         draft, _ = _plan_config(args.draft_preset, args.draft_config)
     tp, dcp = resolve_sizes(args.tensor_parallel_size, args.dcp_size)
-    plan = plan_memory(
-        config,
-        device_memory=args.device_memory,
+    kw = dict(
+        device_memory=memory,
         tensor_parallel_size=tp,
         dcp_size=dcp,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -90,5 +106,11 @@ def cmd_plan(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         replicate_q_proj=args.replicate_q_proj,
     )
+    if args.target is None:
+        plan = plan_memory(config, **kw)
+    else:
+        from serving.target_plan import target_plan
+
+        plan = target_plan(config, kw, target=args.target)
     print(json.dumps(plan.to_dict()) if args.json else plan.table())
     return 0 if plan.fits else 1

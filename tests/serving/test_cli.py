@@ -332,6 +332,34 @@ def test_plan_bad_input_exits_2(capsys):
     assert rc == 2 and out == "" and "cannot read '80 furlongs'" in err
 
 
+def test_plan_needs_a_device_memory_or_a_target(capsys):
+    rc, out, err = run(capsys, "plan", "--preset", "pycode")
+    assert rc == 2 and out == "" and "--device-memory is needed without --target" in err
+
+
+def test_plan_unknown_target_names_the_known_ones(capsys):
+    rc, out, err = run(capsys, "plan", "--preset", "pycode", "--target", "h900")
+    assert rc == 2 and out == "" and "unknown GPU target 'h900'; known: ['h200']" in err
+
+
+def test_plan_target_without_the_cuda_plugin_says_how_to_get_it(capsys, monkeypatch):
+    from jax.experimental import topologies
+
+    from kernels import gpu_target
+
+    def no_plugin(*args, **kwargs):  # what jax raises where no CUDA plugin is installed
+        raise NotImplementedError("Topology descriptions are not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+    gpu_target.topology.cache_clear()
+    try:
+        rc, out, err = run(capsys, "plan", "--preset", "pycode", "--target", "h200")
+    finally:
+        gpu_target.topology.cache_clear()
+    assert rc == 2 and out == ""
+    assert "deviceless GPU compiles need the CUDA plugin: pip install -e '.[gpu-compile]'" in err
+
+
 def _as_follower(monkeypatch, follow):
     """`serve` as process 1 of a group: no model load, no process group (stubs)."""
     import serving.lockstep
