@@ -58,12 +58,17 @@ def mla_latent_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """The same over each row's gathered latent rows kv [B, S, L + R] (`gather_pages`)."""
     L = q_lat.shape[-1]
+    S = kv.shape[1]
+    # Rows no query of the sequence sees (a last page's tail, free pages in the table) may
+    # hold anything: zeroed, as the kernel never loads them, since 0 x NaN in the value
+    # product would be NaN.
+    seen = jnp.arange(S)[None, :, None] < jnp.max(kv_lens, axis=1)[:, None, None]
+    kv = jnp.where(seen, kv, jnp.zeros((), kv.dtype))
     c, k_pe = kv[..., :L], kv[..., L:]
     acc = jnp.result_type(jnp.float32, q_lat)
     scores = jnp.einsum("bthl,bsl->bths", q_lat, c, preferred_element_type=acc)
     scores += jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=acc)
     scores *= sm_scale
-    S = kv.shape[1]
     mask = jnp.arange(S)[None, None, :] < kv_lens[:, :, None]  # [B, T, S]
     p, lse = _softmax_with_lse(scores, mask[:, :, None, :])
     o = jnp.einsum("bths,bsl->bthl", p, c.astype(acc))

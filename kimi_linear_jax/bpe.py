@@ -16,11 +16,13 @@ PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|endoftext|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 # A plain-text chat template: the built-in model is a code model, so a chat turn is rendered
 # as a comment header it can continue.
+# Each message ends in a newline, kept: a `{%-` right after it would strip it (it did, and
+# the next turn's "# user:" followed the content on the same line).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "# {{ message['role'] }}:\n{{ message['content'] }}\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}# assistant:\n{%- endif -%}"
+    "{% endfor -%}"
+    "{%- if add_generation_prompt -%}# assistant:\n{% endif -%}"
 )
 
 

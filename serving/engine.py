@@ -419,5 +419,5 @@ class LLM(BatchMixin, AsyncStepsMixin, InputsMixin, OutputsMixin, MetricsMixin):
         return (
             f"pools fixed: {lay.num_pages} pages = {lay.pool_tokens} tokens, {lay.num_slots} "
             f"state slots, max_num_seqs {lay.max_num_seqs} (num_pages given, or no device "
-            "memory known: pass device_memory= to plan)"
+            "memory known: pass --device-memory, or device_memory= in Python, to plan)"
         )

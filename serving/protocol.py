@@ -7,9 +7,11 @@ import dataclasses
 import functools
 import json
 import time
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from serving.echo import echo_logprobs, echo_text
 from serving.output import RequestOutput
 from serving.sampling import SamplingParams
 
@@ -70,11 +72,39 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted by OpenAI, not served here: named so that a request using them gets a 400
+    # (`refuse_unsupported`) instead of being answered as if they were not there.
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+
+
+def refuse_unsupported(body: _SamplingFields) -> None:
+    """400 naming the first field the server cannot honour; their no-op values pass."""
+    noop = {
+        "logit_bias": lambda v: not v,
+        "response_format": lambda v: v.get("type") == "text",
+        "tools": lambda v: not v,
+        "tool_choice": lambda v: v == "none",
+        "best_of": lambda v: v == 1,
+        "suffix": lambda v: v == "",
+    }
+    for name, harmless in noop.items():
+        value = getattr(body, name, None)
+        if value is not None and not harmless(value):
+            raise bad_request(f"{name} is not supported by this server", name)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    # Token ids may come as one list or, as lm-eval's `tokenized_requests` sends them, a list
+    # of one list.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
     logprobs: int | None = None
+    max_completion_tokens: int | None = None  # the chat name, taken here too (as vLLM does)
+    best_of: int | None = None
+    suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: each choice gets "prompt_logprobs"
 
 
@@ -85,8 +115,11 @@ class ChatRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None):
-    """SamplingParams from a request body; raises ApiError(400) naming a bad field."""
+def sampling_params(
+    body: _SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs=None
+):
+    """SamplingParams from a request body; raises ApiError(400) naming a bad field.
+    `prompt_logprobs`: the body's, unless given."""
     if body.n != 1:
         raise bad_request("only n=1 is supported", "n")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -99,7 +132,9 @@ def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs,
-            prompt_logprobs=getattr(body, "prompt_logprobs", None),
+            prompt_logprobs=prompt_logprobs
+            if prompt_logprobs is not None
+            else getattr(body, "prompt_logprobs", None),
         )
     except (TypeError, ValueError) as e:
         raise bad_request(str(e)) from e
@@ -165,19 +200,28 @@ def _object(chat: bool, stream: bool) -> str:
     return "text_completion"
 
 
-def full_response(server, ticket, out: RequestOutput, chat: bool) -> dict:
+def full_response(server, ticket, out: RequestOutput, chat: bool, echo=None) -> dict:
+    """The whole response; `echo` (a `serving.echo.Echo`, completions only): the prompt's text
+    and logprobs in front of the completion's, and vLLM's `prompt_logprobs` only if asked."""
     text = out.text or ""
-    piece = {"role": "assistant", "content": text} if chat else text
+    logprobs = openai_logprobs(server.tokenizer, out, 0, chat)
+    if echo is not None:
+        piece = functools.partial(_token_text, server.tokenizer)
+        text = echo_text(server.tokenizer, out, echo)
+        logprobs = echo_logprobs(server.tokenizer, out, echo, piece, logprobs)
     choice = {
         "index": 0,
-        "message" if chat else "text": piece,
-        "logprobs": openai_logprobs(server.tokenizer, out, 0, chat),
+        "message" if chat else "text": {"role": "assistant", "content": text} if chat else text,
+        "logprobs": logprobs,
         "finish_reason": out.finish_reason,
     }
-    if out.prompt_logprobs is not None:
+    if out.prompt_logprobs is not None and (echo is None or echo.prompt_logprobs):
         choice["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, out.prompt_logprobs)
+    usage = usage_body(out)
+    if echo is not None and not echo.completion:  # max_tokens 0: the one token run is not sent
+        usage["usage"].update(completion_tokens=0, total_tokens=len(out.prompt_token_ids))
     head = {"id": ticket.request_id, "object": _object(chat, False), "created": int(time.time())}
-    return {**head, "model": server.model_name, "choices": [choice], **usage_body(out)}
+    return {**head, "model": server.model_name, "choices": [choice], **usage}
 
 
 def _token_text(tokenizer, token: int) -> str:

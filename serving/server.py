@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
+from serving.echo import Echo
 from serving.engine import LLM, RequestOutput
 from serving.engine_loop import EngineLoop, Stream
 from serving.metrics import ServerMetrics
@@ -41,6 +42,7 @@ from serving.protocol import (
     full_response,
     openai_logprobs,
     param_of,
+    refuse_unsupported,
     sampling_params,
     sse_event,
     stream_chunk,
@@ -122,6 +124,7 @@ class OpenAIServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         return app
@@ -152,9 +155,16 @@ class OpenAIServer:
     # ---- plain endpoints ----
 
     async def models(self) -> dict:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict:
+        """OpenAI's retrieve-model: this server's card, or 404 naming the one it has."""
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": 0}
-        card.update(owned_by="kimi-linear-jax", max_model_len=self.llm.max_model_len)
-        return {"object": "list", "data": [card]}
+        return card | dict(owned_by="kimi-linear-jax", max_model_len=self.llm.max_model_len)
 
     async def health(self) -> Response:
         """503 when the engine cannot step: its thread stopped, or a step fault it could not
@@ -180,16 +190,30 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
+        refuse_unsupported(body)
         prompt = self._completion_prompt(body.prompt)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if body.prompt_logprobs is not None and body.stream:
             # vLLM's rule too: a stream's chunks have no place for them.
             raise bad_request("prompt_logprobs are not available with stream", "prompt_logprobs")
-        params = sampling_params(body, max_tokens, body.logprobs)
-        return await self._respond(request, body, prompt, params, chat=False)
+        if not body.echo:
+            params = sampling_params(body, max_tokens, body.logprobs)
+            return await self._respond(request, body, prompt, params, chat=False)
+        if body.stream:
+            raise bad_request("echo is not available with stream", "echo")
+        echo = Echo(body.logprobs, max_tokens > 0, body.prompt_logprobs is not None)
+        # The prompt's logprobs at least as wide as the completion's; max_tokens 0 runs one
+        # token (the engine always generates) and returns none of it.
+        asked = [n for n in (body.prompt_logprobs, body.logprobs) if n is not None]
+        wide = max(asked) if asked else None
+        params = sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs=wide)
+        return await self._respond(request, body, prompt, params, chat=False, echo=echo)
 
     async def chat_completions(self, body: ChatRequest, request: Request):
         self._check_model(body.model)
+        refuse_unsupported(body)
         prompt = self._chat_prompt(body.messages)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:  # 0 is a value (and is refused), not a missing field
@@ -206,7 +230,7 @@ class OpenAIServer:
             raise ApiError(404, message, "not_found_error", "model", "model_not_found")
 
     def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request("only one prompt per request is supported", "prompt")
             prompt = prompt[0]
@@ -229,7 +253,9 @@ class OpenAIServer:
         except ValueError as e:
             raise bad_request(str(e), "messages") from e
 
-    async def _respond(self, request, body, prompt: list[int], params: SamplingParams, chat):
+    async def _respond(
+        self, request, body, prompt: list[int], params: SamplingParams, chat, echo=None
+    ):
         ticket = await self._admit(prompt, params)
         outputs = self._outputs(ticket)
         if body.stream:
@@ -245,7 +271,7 @@ class OpenAIServer:
             self.metrics.requests.labels(str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
         self.metrics.requests.labels("200").inc()
-        return full_response(self, ticket, final, chat)
+        return full_response(self, ticket, final, chat, echo)
 
     async def _final_or_disconnect(self, outputs, request) -> RequestOutput | None:
         """The final output, or None as soon as the client has gone (polled while waiting:

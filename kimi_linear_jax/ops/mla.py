@@ -30,6 +30,9 @@ def mla_naive_attention(
     -> o [B, T, N, Dv] (f32), lse [B, T, N] (f32).
     """
     acc = jnp.result_type(jnp.float32, q, k)
+    # Values no query sees (cache slots past every row's reach) may hold anything: 0 x NaN.
+    seen = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    v = jnp.where(seen, v, jnp.zeros((), v.dtype))
     scores = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=acc) * sm_scale
     p, lse = _softmax_with_lse(scores, mask[:, None, :, :])
     # The reference casts the probabilities to the activation dtype before the PV product.

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 
 from kimi_linear_jax.tokenization.chat_template import KIMI_CHAT_TEMPLATE
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, digest
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, check_text, digest
 
 # Byte-tokenizer specials, in id order starting at 256.
 BYTE_SPECIAL_TOKENS = (
@@ -41,6 +41,7 @@ class ByteTokenizer(Tokenizer):
     def encode(
         self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
     ) -> list[int]:
+        check_text(text)
         ids = [self.bos_token_id] if add_special_tokens else []
         if not parse_special:
             return ids + list(text.encode("utf-8"))

@@ -17,6 +17,22 @@ from kimi_linear_jax.tokenization.chat_template import _compile_template, valida
 _EOS_NAMES = ("[EOS]", "<|im_end|>")
 
 
+def check_text(text: str) -> str:
+    """`text` if it is valid Unicode text; a lone surrogate (U+D800..U+DFFF, which JSON's
+    "\\ud800" can carry) is not, and every tokenizer kind refuses it with this ValueError
+    (the server's 400) rather than each library's own error."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+            f"character {e.start}"
+        ) from None
+    return text
+
+
 class Tokenizer(abc.ABC):
     """Text <-> ids, plus chat-template rendering.
 

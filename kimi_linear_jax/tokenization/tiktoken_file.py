@@ -11,7 +11,7 @@ from typing import Any
 import tiktoken
 
 from kimi_linear_jax.tokenization.chat_template import KIMI_CHAT_TEMPLATE
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, digest
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, check_text, digest
 from kimi_linear_jax.tokenization.tokenizer_config import (
     _read_chat_template,
     _read_json,
@@ -82,6 +82,7 @@ class TiktokenTokenizer(Tokenizer):
     def encode(
         self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
     ) -> list[int]:
+        check_text(text)
         if parse_special:
             ids = self._encoding.encode(text, allowed_special="all")
         else:  # special-token strings are ordinary text here

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tokenizers
 
-from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, digest
+from kimi_linear_jax.tokenization.interface import Tokenizer, _eos_ids, _runs, check_text, digest
 from kimi_linear_jax.tokenization.tokenizer_config import (
     _read_chat_template,
     _read_json,
@@ -51,6 +51,7 @@ class HFTokenizer(Tokenizer):
     ) -> list[int]:
         # The library's own post-processor decides what "special tokens" to add (e.g. BOS).
         # `encode_special_tokens` makes it encode special-token strings as plain text.
+        check_text(text)
         self._tokenizer.encode_special_tokens = not parse_special
         try:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -59,6 +60,8 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # The library encodes a batch on every core (a corpus of millions of tokens: seconds).
+        for text in texts:
+            check_text(text)
         self._tokenizer.encode_special_tokens = True
         try:
             encoded = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)

@@ -161,6 +161,19 @@ def test_matches_reference(case: Case):
     check(got, want, case.dtype, case.id)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf, 1e30], ids=["nan", "inf", "1e30"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c.id)
+def test_reference_ignores_poisoned_slots(case: Case, poison: float):
+    """The XLA path (a CPU, and the fallback where the kernel does not apply) as the kernel:
+    slots no row may see never reach an output, not even as 0 x NaN."""
+    q_lat, q_pe, cache, table, lens, unowned = make_batch(case)
+    clean = reference(q_lat, q_pe, cache, table, lens, sm_scale=sm_scale(case))
+    poisoned = jnp.where(jnp.asarray(unowned)[..., None], jnp.asarray(poison, cache.dtype), cache)
+    dirty = reference(q_lat, q_pe, poisoned, table, lens, sm_scale=sm_scale(case))
+    for a, b, name in zip(clean, dirty, ("o", "lse")):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("poison", [np.nan, 1e30], ids=["nan", "1e30"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[-1]], ids=lambda c: c.id)
 def test_poisoned_pages_leave_output_bit_identical(case: Case, poison: float):

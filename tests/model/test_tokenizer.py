@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,39 @@ def test_fingerprints_follow_what_encodes(tmp_path: Path) -> None:
     assert hf.fingerprint() == HFTokenizer.from_dir(write_hf_dir(tmp_path / "hf2")).fingerprint()
     prints = [t.fingerprint() for t in (tik, other, hf, ByteTokenizer(320), ByteTokenizer(512))]
     assert len(set(prints)) == len(prints)
+
+
+# --- a lone surrogate is not text (issue 36, defect 3) --------------------------------------
+
+
+def test_every_kind_refuses_a_lone_surrogate_alike(tmp_path: Path) -> None:
+    message = "text is not valid Unicode: a lone surrogate U+D800 at character 2"
+    chat = [{"role": "user", "content": "ab\ud800"}]
+    for tok in _chat_tokenizers(tmp_path):
+        for call, arg, kw in (
+            (tok.encode, "ab\ud800cd", {}),
+            (tok.encode, "ab\ud800cd", {"parse_special": False}),
+            (tok.encode_batch, ["fine", "ab\ud800"], {}),
+        ):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                call(arg, **kw)
+        with pytest.raises(ValueError, match="lone surrogate U\\+D800"):
+            tok.encode_chat(chat)
+        assert tok.decode(tok.encode("ab\u00e9")) == "ab\u00e9"  # a real character still is
+
+
+def test_builtin_chat_template_keeps_each_message_on_its_lines() -> None:
+    """The built-in models' template: one "# role:" line, the content, a newline, per message
+    (it used to strip the newline: "You write Python.# user:")."""
+    from kimi_linear_jax.tokenizer import load_tokenizer
+
+    builtin = Path(__file__).parents[2] / "kimi_linear_jax" / "builtin"
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "hi"},
+    ]
+    for name in ("pycode", "pycode-draft"):
+        tok = load_tokenizer(builtin / name, 1 << 20)
+        text = tok.apply_chat_template(messages)
+        assert text == "# system:\nYou write Python.\n# user:\nhi\n# assistant:\n"
+        assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("hi\n")

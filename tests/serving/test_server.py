@@ -106,6 +106,9 @@ def wait_drained(url, timeout=60.0) -> None:
 
 def test_models_and_health(url, client):
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME  # GET /v1/models/{id}
+    r = httpx.get(f"{url}/v1/models/other", timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
@@ -168,6 +171,13 @@ BAD = [
     ("chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p must be in"),
     # Issue 12: input that used to be a 500 or silently coerced.
     ("completions", '{"prompt": "\\ud800abc"}', 400, "prompt is not valid text"),  # lone surrogate
+    # Issue 36: chat too, and the same message from every tokenizer kind.
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "ab\\ud800"}]}',
+        400,
+        "a lone surrogate U+D800 at character 2",
+    ),
     ("chat/completions", {"messages": [{"role": ["user"], "content": "y"}]}, 400, "role"),
     ("chat/completions", {"messages": [{"role": {"a": 1}, "content": "y"}]}, 400, "role"),
     ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "max_tokens"),
@@ -184,6 +194,25 @@ BAD = [
     ("completions", {"prompt": [1.5, 2.7]}, 400, "prompt"),
     ("completions", {"prompt": [True, 2]}, 400, "prompt"),
     ("completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    # Issue 36: fields that used to be accepted and silently ignored.
+    ("completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supp"),
+    ("chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        400,
+        "response_format is not supported",
+    ),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools is not supported",
+    ),
+    ("chat/completions", {"messages": MESSAGES, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("completions", {"prompt": "x", "best_of": 2}, 400, "best_of is not supported"),
+    ("completions", {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
+    ("completions", {"prompt": "x", "max_completion_tokens": 0}, 400, "max_tokens must be > 0"),
 ]
 
 
@@ -604,3 +633,94 @@ def test_prompt_logprobs_through_the_server_equal_the_offline_api(url, setup):
         error = r.json()["error"]
         assert r.status_code == 400 and match in error["message"]
         assert error["param"] == "prompt_logprobs"
+
+
+# ---- echo: lm-eval's loglikelihood requests (issue 36, defect 1) --------------------------
+
+
+def _completion(url, **body):
+    r = httpx.post(f"{url}/v1/completions", json={"temperature": 0, **body}, timeout=TIMEOUT)
+    return r.status_code, r.json()
+
+
+def _offline_prompt_logprobs(setup, prompt: str, n: int):
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=n, logprobs=n)
+    (want,) = _engine_like(setup[2]).generate([prompt], params, use_tqdm=False)
+    return want
+
+
+def test_echo_scores_a_continuation_as_lm_eval_reads_it(url, setup):
+    """lm-eval's local-completions: echo, max_tokens 1, logprobs 1; it sums token_logprobs
+    over the continuation's tokens, [ctxlen:-1] (the last entry is the generated token)."""
+    context, continuation = "The quick brown", " fox"
+    prompt = context + continuation
+    want = _offline_prompt_logprobs(setup, prompt, 1)
+    status, got = _completion(url, prompt=prompt, echo=True, max_tokens=1, logprobs=1)
+    assert status == 200
+    choice = got["choices"][0]
+    assert choice["text"] == prompt + want.text
+    lp = choice["logprobs"]
+    n = len(prompt)  # the byte tokenizer: one token a character
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 1
+    assert lp["tokens"][:n] == list(prompt)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ids = want.prompt_token_ids
+    expected = [want.prompt_logprobs[i][ids[i]] for i in range(1, n)]
+    assert lp["token_logprobs"][1:n] == pytest.approx(expected, abs=1e-6)
+    assert lp["token_logprobs"][n] == pytest.approx(want.logprobs[0][want.token_ids[0]], abs=1e-6)
+    assert lp["text_offset"] == list(range(n + 1))  # ASCII, one character a token
+    # lm-eval's own arithmetic on the response: the continuation's loglikelihood.
+    ctxlen = len(context)
+    score = sum(lp["token_logprobs"][ctxlen:-1])
+    assert score == pytest.approx(sum(expected[ctxlen - 1 :]), abs=1e-5)
+    for top, entry, token in zip(lp["top_logprobs"][1:n], want.prompt_logprobs[1:], ids[1:]):
+        assert top[chr(token)] == pytest.approx(entry[token], abs=1e-6)
+        assert 1 <= len(top) <= 2  # the likeliest, and the prompt's token if it is not
+    assert "prompt_logprobs" not in choice  # not asked for
+    assert got["usage"]["completion_tokens"] == 1
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(url, setup, offline):
+    want = _offline_prompt_logprobs(setup, "Hello", 2)
+    status, got = _completion(url, prompt="Hello", echo=True, max_tokens=0, logprobs=2)
+    assert status == 200
+    choice = got["choices"][0]
+    assert choice["text"] == "Hello"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list("Hello") and lp["text_offset"] == [0, 1, 2, 3, 4]
+    ids = want.prompt_token_ids
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [want.prompt_logprobs[i][ids[i]] for i in range(1, 5)], abs=1e-6
+    )
+    assert got["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    # Without echo, 0 tokens is still refused; echo without logprobs is text only.
+    status, err = _completion(url, prompt="Hello", max_tokens=0)
+    assert status == 400 and "max_tokens must be > 0" in err["error"]["message"]
+    status, plain = _completion(url, prompt="Hello", echo=True, max_tokens=2)
+    assert plain["choices"][0]["text"] == "Hello" + offline("Hello", 2).text
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_echo_refuses_a_stream(url):
+    status, err = _completion(url, prompt="Hello", echo=True, stream=True, max_tokens=1)
+    assert status == 400 and err["error"]["param"] == "echo"
+    assert "echo is not available with stream" in err["error"]["message"]
+
+
+def test_token_ids_as_a_list_of_one_list(url, offline):
+    ids = list(b"Hello")
+    _, flat = _completion(url, prompt=ids, max_tokens=MAX_TOKENS)
+    status, nested = _completion(url, prompt=[ids], max_tokens=MAX_TOKENS)
+    assert status == 200 and nested["choices"][0]["text"] == flat["choices"][0]["text"]
+    assert flat["choices"][0]["text"] == offline("Hello").text
+    status, err = _completion(url, prompt=[ids, ids], max_tokens=MAX_TOKENS)
+    assert status == 400 and "only one prompt per request" in err["error"]["message"]
+
+
+def test_harmless_values_of_unserved_fields_pass_and_max_completion_tokens_counts(url, offline):
+    body = {"prompt": "Hello", "temperature": 0, "max_completion_tokens": 3, "max_tokens": 9}
+    extra = {"logit_bias": {}, "best_of": 1, "suffix": "", "response_format": {"type": "text"}}
+    r = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == offline("Hello", 3).text
+    assert r.json()["usage"]["completion_tokens"] == 3
