@@ -18,30 +18,34 @@ from serving.protocol import ApiError
 
 
 class BodyTimeout:
-    """ASGI middleware: a request body must arrive within `timeout` seconds, or the client
-    gets a 408 and the connection is closed (a slow client that never finishes its body
-    would otherwise hold a connection forever). The body is read here and replayed."""
+    """ASGI middleware bounding a request body: it must arrive within `timeout` seconds (a
+    slow client that never finishes would otherwise hold a connection forever: 408), and be
+    at most `max_bytes` long (413, before it is parsed: a huge body would otherwise be
+    decoded and tokenized on the event loop while every other client waits). The connection
+    is closed after either. The body is read here and replayed."""
 
-    def __init__(self, app, timeout: float) -> None:
-        self.app, self.timeout = app, timeout
+    def __init__(self, app, timeout: float, max_bytes: int | None = None) -> None:
+        self.app, self.timeout, self.max_bytes = app, timeout, max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        messages = []
+        if self._declared_too_long(scope):
+            return await self._refuse(scope, receive, send, 413, self._too_long())
+        messages, size = [], 0
         try:
             async with asyncio.timeout(self.timeout):
                 while True:
                     message = await receive()
                     messages.append(message)
+                    size += len(message.get("body", b""))
+                    if self.max_bytes is not None and size > self.max_bytes:
+                        return await self._refuse(scope, receive, send, 413, self._too_long())
                     if message["type"] != "http.request" or not message.get("more_body"):
                         break
         except TimeoutError:
-            error = ApiError(
-                408, f"request body not received within {self.timeout:g} s", "invalid_request_error"
-            )
-            response = JSONResponse(error.body(), status_code=408, headers={"connection": "close"})
-            return await response(scope, receive, send)
+            message = f"request body not received within {self.timeout:g} s"
+            return await self._refuse(scope, receive, send, 408, message)
         pending = iter(messages)
 
         async def replay():
@@ -49,6 +53,21 @@ class BodyTimeout:
             return message if message is not None else await receive()
 
         await self.app(scope, replay, send)
+
+    def _declared_too_long(self, scope) -> bool:
+        if self.max_bytes is None:
+            return False
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        return length.isdigit() and int(length) > self.max_bytes
+
+    def _too_long(self) -> str:
+        return f"request body exceeds {self.max_bytes} bytes (serve --max-request-bytes)"
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str) -> None:
+        error = ApiError(status, message, "invalid_request_error")
+        response = JSONResponse(error.body(), status_code=status, headers={"connection": "close"})
+        await response(scope, receive, send)
 
 
 class _EventStream(StreamingResponse):

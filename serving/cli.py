@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the balancer's idle timeout",
     )
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=32 << 20,
+        help="largest request body in bytes (default 32 MiB); a larger one is a 413",
+    )
     s.set_defaults(func=cmd_serve)
 
     add_plan_parser(sub)
@@ -76,6 +82,8 @@ def cmd_serve(args) -> int:
         raise ValueError("--max-queue must be >= 0 and --request-timeout > 0")
     if not args.timeout_keep_alive > 0:
         raise ValueError(f"--timeout-keep-alive must be > 0, got {args.timeout_keep_alive:g}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     llm = llm_from_args(args)
     if not _leader():  # requests reach process 0; the others replay its engine loop
         return _follow(llm)
@@ -89,6 +97,7 @@ def cmd_serve(args) -> int:
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         enable_docs=args.enable_docs,
+        max_request_bytes=args.max_request_bytes,
     )
     return 0
 

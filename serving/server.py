@@ -62,6 +62,11 @@ DISCONNECT_POLL_S = 0.25
 SHUTDOWN_GRACE_S = 5
 # A request body must arrive within this long (a slowloris client must not hold a connection).
 BODY_TIMEOUT_S = 30.0
+# and be at most this long: 32 MiB holds a 1M-token prompt as token ids, far more as text.
+MAX_REQUEST_BYTES = 32 << 20
+# Characters of a text prompt tokenized first: past max_model_len tokens already, the prompt
+# is refused without tokenizing the rest (a token covers at least one character).
+PROMPT_PROBE_CHARS_PER_TOKEN = 8
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -91,10 +96,12 @@ class OpenAIServer:
         request_timeout: float = 600.0,
         enable_docs: bool = False,
         body_timeout: float = BODY_TIMEOUT_S,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         self.llm = llm
         self.enable_docs = enable_docs
         self.body_timeout = body_timeout
+        self.max_request_bytes = max_request_bytes
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
         self.max_queue = max_queue
@@ -116,7 +123,7 @@ class OpenAIServer:
         # /docs, /redoc and /openapi.json describe the whole API: off unless asked for.
         docs = {} if self.enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
         app = FastAPI(title="kimi-linear-jax", lifespan=lifespan, **docs)
-        app.add_middleware(BodyTimeout, timeout=self.body_timeout)
+        app.add_middleware(BodyTimeout, timeout=self.body_timeout, max_bytes=self.max_request_bytes)
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(HTTPException, self._http_error)
@@ -191,7 +198,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         refuse_unsupported(body)
-        prompt = self._completion_prompt(body.prompt)
+        prompt = await self._completion_prompt(body.prompt)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -214,7 +221,7 @@ class OpenAIServer:
     async def chat_completions(self, body: ChatRequest, request: Request):
         self._check_model(body.model)
         refuse_unsupported(body)
-        prompt = self._chat_prompt(body.messages)
+        prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:  # 0 is a value (and is refused), not a missing field
             max_tokens = body.max_tokens
@@ -229,7 +236,7 @@ class OpenAIServer:
             message = f"the model {name!r} does not exist; this server has {self.model_name!r}"
             raise ApiError(404, message, "not_found_error", "model", "model_not_found")
 
-    def _completion_prompt(self, prompt) -> list[int]:
+    async def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request("only one prompt per request is supported", "prompt")
@@ -238,10 +245,25 @@ class OpenAIServer:
             return prompt
         if self.tokenizer is None:
             raise bad_request("a text prompt needs a tokenizer; pass token ids", "prompt")
-        try:
-            return self.tokenizer.encode(prompt)
-        except ValueError as e:  # UnicodeEncodeError: a lone surrogate is not text
+        try:  # off the event loop: a long prompt must not stall the other clients
+            return await asyncio.to_thread(self._encode_bounded, prompt)
+        except ValueError as e:  # a lone surrogate is not text
             raise bad_request(f"prompt is not valid text: {e}", "prompt") from e
+
+    def _encode_bounded(self, text: str) -> list[int]:
+        """The prompt's ids; a prompt whose first characters are already more tokens than
+        the model's context is refused before the rest is tokenized."""
+        limit = self.llm.max_model_len
+        probe = limit * PROMPT_PROBE_CHARS_PER_TOKEN
+        if len(text) > probe and len(self.tokenizer.encode(text[:probe])) > limit:
+            raise ApiError(
+                400,
+                f"prompt length exceeds max_model_len {limit} (more than {limit} tokens in "
+                f"its first {probe} characters)",
+                "invalid_request_error",
+                "prompt",
+            )
+        return self.tokenizer.encode(text)
 
     def _chat_prompt(self, messages: list) -> list[int]:
         if self.tokenizer is None:

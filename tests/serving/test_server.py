@@ -724,3 +724,50 @@ def test_harmless_values_of_unserved_fields_pass_and_max_completion_tokens_count
     assert r.status_code == 200
     assert r.json()["choices"][0]["text"] == offline("Hello", 3).text
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- big bodies (issue 36, defect 2) ----------------------------------------------------------
+
+
+def test_an_over_long_prompt_is_refused_before_all_of_it_is_tokenized(url, server, monkeypatch):
+    seen = []
+    tokenizer = server.tokenizer
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kw):
+            seen.append(len(text))
+            return tokenizer.encode(text, **kw)
+
+    monkeypatch.setattr(server, "tokenizer", Recording())
+    r = httpx.post(
+        f"{url}/v1/completions", json={"prompt": "x" * 100_000, "max_tokens": 1}, timeout=TIMEOUT
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    message = r.json()["error"]["message"]
+    assert (
+        "exceeds max_model_len 252 (more than 252 tokens in its first 2016 characters)" in message
+    )
+    assert seen == [2016]  # the probe only, never the 100,000 characters
+
+
+def test_a_body_over_the_limit_is_413_and_the_server_goes_on(setup):
+    llm = _engine_like(setup[2])
+    app = build_app(llm, model_name=NAME, max_request_bytes=4096)
+    with BackgroundServer(app) as small:
+        big = {"prompt": "x" * 5000, "max_tokens": 1}
+        r = httpx.post(f"{small.url}/v1/completions", json=big, timeout=TIMEOUT)
+        assert r.status_code == 413 and r.headers["connection"] == "close"
+        assert "request body exceeds 4096 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no content-length: counted as it arrives
+            for _ in range(10):
+                yield b" " * 1000
+
+        r = httpx.post(f"{small.url}/v1/completions", content=chunks(), timeout=TIMEOUT)
+        assert r.status_code == 413
+        ok = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{small.url}/v1/completions", json=ok, timeout=TIMEOUT)
+        assert r.status_code == 200
