@@ -5,11 +5,15 @@ decides on device how many drafts it accepts, and commits the recurrent state at
 Acceptance:
 - greedy rows: the longest prefix of drafts equal to the target's argmax, plus the target's
   token after it (the bonus or the correction);
-- sampled rows: rejection sampling against a one-hot draft distribution (every drafter here
-  proposes deterministically): draft d at position j is accepted with probability p_j(d), where
-  p_j is the distribution the sampler would draw from (temperature, top-k / top-p / min-p);
-  the first rejection draws from p_j with d removed and renormalised, and when every draft is
-  accepted the bonus is drawn from p_n. The output then has exactly the target distribution.
+- sampled rows: each window position j draws the token the plain sampler would draw there,
+  `sample` with the row's key for that output index (`row_keys(seed, step + j)`), and the
+  drafts are accepted while they equal those draws. Every drafter here proposes
+  deterministically (a one-hot draft distribution), for which this is rejection sampling
+  exactly: draft d at j is accepted with probability p_j(d), the first rejection emits a draw
+  from p_j without d, renormalised, and the bonus one from p_n; so the output has the target
+  distribution. Being the plain sampler's own draws, it is also the same text a seed gives
+  without speculation, alone or batched, whatever the drafts (up to the window's logits
+  matching the single steps' in float).
 
 `commit_lens = accepted + 1`. Order (also under DCP, where the logits are replicated so every
 rank takes the same decision): accept, then the KDA state and conv windows commit, then (on the
@@ -36,10 +40,10 @@ from serving.sampling import (
     SamplingBatch,
     apply_penalties,
     no_logprobs,
-    row_keys,
     token_logprobs,
     truncation_mask,
 )
+from serving.sampling import sample as sample_tokens
 
 # The verify's KDA commit -> what the window pass keeps for it (`layers.kda.decode`).
 COMMITS = {"replay": "inputs", "gather": "states"}
@@ -78,22 +82,11 @@ def accept(
     if not sample:
         return target, greedy_accepted
     flat = _per_position(batch, t)
-    probs = target_probs(logits.reshape(b * t, v), flat).reshape(b, t, v)
-    keys = row_keys(flat.seed, flat.step).reshape(b, t)
-    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0))))(keys)
-    p_draft = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
-    accepted = _leading_true((u[:, :-1] < p_draft) & valid)
-    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
-    p_m = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]
-    d_m = jnp.take_along_axis(padded, accepted[:, None], axis=1)[:, 0]
-    rejected = accepted < num_drafts
-    residual = jnp.where(rejected[:, None], p_m * (1.0 - jax.nn.one_hot(d_m, v)), p_m)
-    key_m = jnp.take_along_axis(keys, accepted[:, None], axis=1)[:, 0]
-    draw = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 1), jnp.log(r)))
-    bonus = draw(key_m, residual).astype(jnp.int32)
-    sampled = jnp.where(jnp.arange(t)[None, :] < accepted[:, None], padded, bonus[:, None])
+    drawn, _, _ = sample_tokens(logits.reshape(b * t, v), flat, num_top_logprobs=1)
+    drawn = drawn.reshape(b, t)
+    accepted = _leading_true((drafts == drawn[:, :-1]) & valid)
     greedy = (batch.temperature <= 0.0)[:, None]
-    return jnp.where(greedy, target, sampled), jnp.where(greedy[:, 0], greedy_accepted, accepted)
+    return jnp.where(greedy, target, drawn), jnp.where(greedy[:, 0], greedy_accepted, accepted)
 
 
 def track_rows(per_step, track_steps, commit_lens) -> tuple[KDAState, ...]:

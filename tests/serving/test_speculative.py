@@ -931,3 +931,30 @@ def test_kda_draft_snapshots_at_track_points(model):
     assert m["spec_accepted_tokens"] - before["spec_accepted_tokens"] == drafted > 0
     llm.reset_prefix_cache()
     assert_drained(llm)
+
+
+# ---- a seed's text does not depend on the batch or on speculating (issue 36, defect 4) -----
+
+
+def test_a_seed_gives_the_same_text_alone_batched_and_speculating(model):
+    """Sampled verify positions are the plain sampler's own draws (its key for that output
+    index), so what a seed gives does not depend on the drafts or on the rows beside it."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True)
+    mates = [
+        SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    plain = LLM(model, **SHAPES)
+    (want,) = plain.generate(PROMPTS[:1], seeded, use_tqdm=False)
+    got = plain.generate(PROMPTS, [seeded, *mates], use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids
+    self_draft = {"method": "draft_model", "num_draft_tokens": K, "model": model}
+    for spec in ({"method": "ngram", "num_draft_tokens": K}, {**self_draft, "min_acceptance": 0}):
+        llm = spec_llm(model, speculative=spec)
+        (alone,) = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
+        batched = llm.generate(PROMPTS, [seeded, *mates], use_tqdm=False)[0]
+        assert alone.token_ids == batched.token_ids == want.token_ids, spec["method"]
+        m = llm.metrics()
+        assert m["spec_draft_tokens"] > 0, spec["method"]
+        if spec["method"] == "draft_model":  # the target drafting for itself: draws agree often
+            assert m["spec_accepted_tokens"] > 0
