@@ -113,6 +113,12 @@ class PageAllocator:
     def num_tree_pages(self) -> int:
         return len(self._tree)
 
+    @property
+    def num_evictable(self) -> int:
+        """Tree pages no request borrows: cached, and free to take once evicted."""
+        borrowed = set().union(*self._borrowed.values()) if self._borrowed else set()
+        return len(self._tree - borrowed)
+
     def attach_prefix(self, request_id: Hashable, pages: list[int]) -> None:
         """Start a request's page list with tree pages it borrows (a prefix-cache hit)."""
         if request_id in self._owned:

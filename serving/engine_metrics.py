@@ -55,7 +55,10 @@ class MetricsMixin:
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             pages_total=self.allocator.capacity,
-            pages_used=self.allocator.num_used,
+            # Held by requests; cached prefix pages no request holds are counted apart (an
+            # idle engine with a full prefix cache uses none).
+            pages_used=self.allocator.num_used - self.allocator.num_evictable,
+            pages_cached=self.allocator.num_evictable,
             slots_total=self.state_pool.num_slots - 1,
             slots_used=self.state_pool.num_slots - 1 - self.state_pool.num_free,
         )

@@ -175,6 +175,10 @@ def test_shared_system_prompt_hits_and_matches(model, reference):
     assert llm.metrics()["prefill_tokens"] - before == sum(len(p) - 128 for p in prompts[1:])
     m = llm.metrics()
     assert m["prefix_cache_hit_tokens"] == 256 and m["prefix_cache_hit_rate"] > 0
+    # Idle: the cached prefix pages are counted apart, not as used (issue 36): no request
+    # holds a page, and the cached ones are what the allocator does not have free.
+    assert m["pages_used"] == 0 and m["pages_cached"] == m["prefix_cache_pages"] > 0
+    assert m["pages_cached"] == llm.allocator.capacity - llm.allocator.num_free
     assert_drained(llm)
 
 
