@@ -90,8 +90,16 @@ class BackgroundServer:
     manager; `url` is the base URL."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", timeout_keep_alive: float = 600
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        timeout_keep_alive: float = 600,
+        wait_ready: bool = True,
     ) -> None:
+        # wait_ready: enter once the server's warm-up request has run (`OpenAIServer.ready`),
+        # so that a test's first request or injected fault never meets the warm-up.
+        self._wait_ready = wait_ready
+        self._app = app
         # Bind here, before the thread starts, so the port is known and cannot be taken.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,6 +125,12 @@ class BackgroundServer:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        server = getattr(self._app.state, "server", None)
+        deadline = time.monotonic() + 600  # the warm-up compiles on a busy machine
+        while self._wait_ready and server is not None and not server.ready:
+            if not server.engine.alive or time.monotonic() > deadline:
+                break  # the tests of a stopped engine see it through /health
             time.sleep(0.02)
         return self
 

@@ -30,7 +30,7 @@ from kimi_linear_jax.tokenizer import validate_messages
 from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
 from serving.echo import Echo
 from serving.engine import LLM, RequestOutput
-from serving.engine_loop import EngineLoop, Stream
+from serving.engine_loop import ACCEPTED, EngineLoop, Stream
 from serving.metrics import ServerMetrics
 from serving.protocol import (
     ApiError,
@@ -60,6 +60,8 @@ CLIENT_CLOSED = 499
 DISCONNECT_POLL_S = 0.25
 # Bound on a graceful shutdown: running requests get this long, then are cancelled.
 SHUTDOWN_GRACE_S = 5
+# The request the server runs before /health says ok (its first compile).
+WARM_UP_ID = "warm-up"
 # A request body must arrive within this long (a slowloris client must not hold a connection).
 BODY_TIMEOUT_S = 30.0
 # and be at most this long: 32 MiB holds a 1M-token prompt as token ids, far more as text.
@@ -107,6 +109,7 @@ class OpenAIServer:
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.in_flight = 0  # touched on the event loop only
+        self.ready = False  # /health: the warm-up request has run
         self.engine = EngineLoop(llm)
         self.metrics = ServerMetrics(self.engine, self)
         self.app = self._build_app()
@@ -117,7 +120,9 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app):
             self.engine.start()
+            warm = asyncio.ensure_future(self._warm_up())
             yield
+            warm.cancel()
             self.engine.stop()
 
         # /docs, /redoc and /openapi.json describe the whole API: off unless asked for.
@@ -185,10 +190,27 @@ class OpenAIServer:
         if self.engine.broken is not None:
             body = {"status": "engine cannot step", "error": self.engine.broken}
             return JSONResponse(body, status_code=503)
+        if not self.ready:  # a load balancer should not send traffic into the first compile
+            return JSONResponse({"status": "warming up"}, status_code=503)
         body = {"status": "ok"}
         if self.llm.last_error is not None:
             body["last_error"] = self.llm.last_error
         return JSONResponse(body)
+
+    async def _warm_up(self) -> None:
+        """One token through the engine loop (so that every process of a group runs it), to
+        compile the first prefill and decode steps; /health is ready once it is done.
+        Requests that arrive meanwhile queue as usual."""
+        stream = Stream()
+        params = SamplingParams(temperature=0, max_tokens=1)
+        self.engine.add(WARM_UP_ID, [0], params, stream)
+        while True:
+            item = await stream.queue.get()
+            if item is ACCEPTED:
+                continue
+            if not isinstance(item, RequestOutput) or item.finished:
+                break
+        self.ready = True
 
     async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type="text/plain")

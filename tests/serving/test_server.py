@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -771,3 +772,30 @@ def test_a_body_over_the_limit_is_413_and_the_server_goes_on(setup):
         ok = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         r = httpx.post(f"{small.url}/v1/completions", json=ok, timeout=TIMEOUT)
         assert r.status_code == 200
+
+
+def test_health_is_warming_up_until_the_first_steps_ran(setup):
+    """Issue 36: /health is 503 until the server's warm-up request (the first compile) has run;
+    a request sent meanwhile queues and is answered."""
+    llm = _engine_like(setup[2])
+    gate, real = threading.Event(), llm.step
+
+    def held_step():
+        gate.wait(60)
+        return real()
+
+    llm.step = held_step
+    app = build_app(llm, model_name=NAME)
+    with BackgroundServer(app, wait_ready=False) as server:
+        r = httpx.get(f"{server.url}/health", timeout=TIMEOUT)
+        assert r.status_code == 503 and r.json() == {"status": "warming up"}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+            pending = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60)
+            gate.set()
+            assert pending.result().status_code == 200
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert app.state.server.ready
