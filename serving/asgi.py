@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from serving.connections import TimedH11Protocol
 from serving.protocol import ApiError
 
 
@@ -110,6 +111,7 @@ class BackgroundServer:
         # compiled for about 5 s between two requests), so tests keep connections far longer.
         config = uvicorn.Config(
             app,
+            http=TimedH11Protocol,
             log_level="warning",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=timeout_keep_alive,

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
+from serving.connections import TimedH11Protocol
 from serving.echo import Echo
 from serving.engine import LLM, RequestOutput
 from serving.engine_loop import ACCEPTED, EngineLoop, Stream
@@ -472,6 +473,7 @@ def serve(
         build_app(llm, **kwargs),
         host=host,
         port=port,
+        http=TimedH11Protocol,  # idle and header-phase connections close too
         log_level="info",
         timeout_keep_alive=timeout_keep_alive,
         # SIGINT / SIGTERM: stop accepting, give running requests this long, then cancel them

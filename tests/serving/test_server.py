@@ -799,3 +799,28 @@ def test_health_is_warming_up_until_the_first_steps_ran(setup):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert app.state.server.ready
+
+
+def test_idle_and_header_phase_connections_are_closed(setup):
+    """Issue 36, defect 5: a connection that sends nothing, or headers that never finish, is
+    closed after the keep-alive timeout (uvicorn alone held them forever)."""
+    import socket
+
+    app = build_app(_engine_like(setup[2]), model_name=NAME)
+    with BackgroundServer(app, timeout_keep_alive=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+
+        def closed_within(payload: bytes, seconds: float) -> bool:
+            with socket.create_connection((host, int(port)), timeout=seconds) as s:
+                for i in range(0, len(payload), 4):  # trickled: bytes do not extend it
+                    s.sendall(payload[i : i + 4])
+                    time.sleep(0.05)
+                try:
+                    return s.recv(1024) == b""  # the server closed it
+                except TimeoutError:
+                    return False
+
+        assert closed_within(b"", 5)
+        assert closed_within(b"GET /health HTTP/1.1\r\nHost: x\r\n", 5)
+        r = httpx.get(f"{server.url}/health", timeout=TIMEOUT)  # a whole request still works
+        assert r.status_code == 200
