@@ -137,6 +137,9 @@ class BackgroundServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        server = getattr(self._app.state, "server", None)
+        if server is not None:  # as `serve`'s signal handler does (DrainingServer)
+            server.begin_drain()
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self._socket.close()

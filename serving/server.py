@@ -61,6 +61,10 @@ CLIENT_CLOSED = 499
 DISCONNECT_POLL_S = 0.25
 # Bound on a graceful shutdown: running requests get this long, then are cancelled.
 SHUTDOWN_GRACE_S = 5
+DRAIN = object()  # pushed to a running request's stream when the drain time is over
+# Of which requests get this long to finish once SIGTERM / SIGINT came; a stream still running
+# then ends with an OpenAI error event and [DONE], a non-streaming request with a JSON 503.
+DRAIN_S = 3.5
 # The request the server runs before /health says ok (its first compile).
 WARM_UP_ID = "warm-up"
 # A request body must arrive within this long (a slowloris client must not hold a connection).
@@ -75,7 +79,7 @@ PROMPT_PROBE_CHARS_PER_TOKEN = 8
 # ---- the server --------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: the server keeps a set of them
 class _Ticket:
     """One admitted request, as the handler sees it."""
 
@@ -111,6 +115,9 @@ class OpenAIServer:
         self.request_timeout = request_timeout
         self.in_flight = 0  # touched on the event loop only
         self.ready = False  # /health: the warm-up request has run
+        self._tickets: set[_Ticket] = set()  # admitted, not released (a drain wakes them)
+        self.draining = False  # a shutdown began: no new requests
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.engine = EngineLoop(llm)
         self.metrics = ServerMetrics(self.engine, self)
         self.app = self._build_app()
@@ -121,6 +128,7 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app):
             self.engine.start()
+            self._loop = asyncio.get_running_loop()
             warm = asyncio.ensure_future(self._warm_up())
             yield
             warm.cancel()
@@ -348,9 +356,12 @@ class OpenAIServer:
             raise ApiError(503, "server busy: the request queue is full", "server_busy")
         if not self.engine.alive:  # nothing would ever take the request
             raise ApiError(503, "the engine loop has stopped", "server_error")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", "server_error")
         now = time.perf_counter()
         ticket = _Ticket(f"cmpl-{uuid.uuid4().hex}", Stream(), now, now + self.request_timeout)
         self.in_flight += 1
+        self._tickets.add(ticket)
         self.engine.add(ticket.request_id, prompt, params, ticket.stream)
         try:
             first = await self._next(ticket)
@@ -362,8 +373,22 @@ class OpenAIServer:
             raise bad_request(str(first), param_of(str(first)))
         return ticket
 
+    def begin_drain(self) -> None:
+        """A shutdown began (call from any thread): each running request gets DRAIN_S more
+        to finish, then its handler is woken with DRAIN (a 503, or a stream's error event)."""
+        if self._loop is None:
+            return
+
+        def drain() -> None:
+            self.draining = True
+            for ticket in list(self._tickets):
+                self._loop.call_later(DRAIN_S, ticket.stream.queue.put_nowait, DRAIN)
+
+        self._loop.call_soon_threadsafe(drain)
+
     async def _next(self, ticket: _Ticket):
-        """The next item from the engine; on the deadline abort and raise 504."""
+        """The next item from the engine; on the deadline abort and raise 504, and when a
+        shutdown's drain time is over, 503."""
         try:
             item = await asyncio.wait_for(
                 ticket.stream.queue.get(), timeout=max(ticket.deadline - time.perf_counter(), 0)
@@ -373,6 +398,9 @@ class OpenAIServer:
             raise ApiError(
                 504, f"request timed out after {self.request_timeout:g} s", "timeout_error"
             ) from None
+        if item is DRAIN:
+            self._release(ticket)
+            raise ApiError(503, "the server is shutting down", "server_error")
         if isinstance(item, RuntimeError):
             raise ApiError(500, str(item), "server_error")
         return item
@@ -406,6 +434,7 @@ class OpenAIServer:
             return
         ticket.released = True
         self.in_flight -= 1
+        self._tickets.discard(ticket)
         if not ticket.done:
             self.engine.abort(ticket.request_id)
 
@@ -469,8 +498,9 @@ def serve(
     """Serve until interrupted (the `kimi-linear-jax serve` command). An idle connection closes
     after `timeout_keep_alive` seconds (uvicorn's default, 5): a proxy that keeps connections
     longer than the server may reuse one just as it closes, and its client sees a reset."""
-    uvicorn.run(
-        build_app(llm, **kwargs),
+    app = build_app(llm, **kwargs)
+    config = uvicorn.Config(
+        app,
         host=host,
         port=port,
         http=TimedH11Protocol,  # idle and header-phase connections close too
@@ -480,3 +510,18 @@ def serve(
         # (their handlers abort them in the engine) and stop the engine loop.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    DrainingServer(config, app.state.server).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that tells the app a shutdown began (`begin_drain`) when the signal
+    comes, so that its streams end with an error event and [DONE] inside the grace period
+    instead of being cut."""
+
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer) -> None:
+        super().__init__(config)
+        self.app_server = server
+
+    def handle_exit(self, sig, frame) -> None:
+        self.app_server.begin_drain()
+        super().handle_exit(sig, frame)

@@ -467,12 +467,41 @@ def test_shutdown_is_bounded_with_a_request_in_flight(setup):
         t0 = time.monotonic()
         server.__exit__(None, None, None)
         assert time.monotonic() - t0 < 15
-        try:
-            r = pending.result(timeout=30)
-            assert r.status_code >= 500
-        except httpx.HTTPError:
-            pass  # the connection was closed: also an ending
+        # Issue 36: drained, the request gets OpenAI's error body (not a plain-text 500).
+        r = pending.result(timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "the server is shutting down"
     assert not app.state.server.engine.alive
+
+
+def test_a_shutdown_ends_running_streams_with_an_error_event_and_done(setup):
+    """Issue 36, defect 6: SIGTERM (here BackgroundServer's exit, as DrainingServer's signal
+    handler) gives a stream that cannot finish an error event and [DONE], not a cut."""
+    llm = _engine_like(setup[2])
+    app = build_app(llm, model_name=NAME, max_queue=64, request_timeout=600)
+    body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    real_step = llm.step
+
+    def slow_step():  # 200 tokens take 10 s or more: longer than the drain
+        time.sleep(0.05)
+        return real_step()
+
+    server = BackgroundServer(app).__enter__()
+    llm.step = slow_step
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+
+        def read_all():
+            url = f"{server.url}/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=60) as r:
+                return list(r.iter_lines())
+
+        lines = pool.submit(read_all)
+        time.sleep(1.0)
+        server.__exit__(None, None, None)
+        events = [line for line in lines.result(timeout=30) if line.startswith("data:")]
+    assert len(events) >= 3 and events[-1] == "data: [DONE]"  # tokens, then the ending
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["message"] == "the server is shutting down" and error["type"] == "server_error"
 
 
 def test_a_stopped_engine_loop_refuses_requests_at_once(fresh):
@@ -491,10 +520,12 @@ def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
     import serving.server as server_module
 
     seen = {}
-    monkeypatch.setattr(server_module.uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setattr(server_module.DrainingServer, "run", lambda self: seen.update(c=self))
     server_module.serve(_engine_like(setup[2]), port=0, timeout_keep_alive=75)
-    assert 0 < seen["timeout_graceful_shutdown"] <= 10
-    assert seen["timeout_keep_alive"] == 75
+    config = seen["c"].config
+    assert 0 < config.timeout_graceful_shutdown <= 10
+    assert server_module.DRAIN_S < config.timeout_graceful_shutdown  # drained, then cancelled
+    assert config.timeout_keep_alive == 75
 
 
 def test_docs_are_off_unless_enabled(url, setup):
