@@ -244,6 +244,10 @@ def vllm_prompt_logprobs(tokenizer, entries: list) -> list:
     return [None if e is None else {str(t): one(t, lp) for t, lp in e.items()} for e in entries]
 
 
+def _ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])
+
+
 def openai_logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):
     """OpenAI logprobs of tokens[start:] (None unless the request asked for them)."""
     if out.logprobs is None:
@@ -252,23 +256,23 @@ def openai_logprobs(tokenizer, out: RequestOutput, start: int, chat: bool):
         piece = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     else:
         piece = functools.partial(_token_text, tokenizer)
-    rows = []
-    for token, entry in zip(out.token_ids[start:], out.logprobs[start:], strict=False):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])
-        rows.append((piece(token), entry[token], [(piece(t), lp) for t, lp in top]))
+    pairs = list(zip(out.token_ids[start:], out.logprobs[start:], strict=False))
     if chat:
+        # `bytes`: the token's own bytes (a part of a UTF-8 character stays that part, where
+        # its text alone is U+FFFD), so that a client can join them into the text.
+        raw = tokenizer.token_bytes if tokenizer is not None else lambda t: str(t).encode()
+
+        def one(t: int, lp: float) -> dict:
+            return {"token": piece(t), "logprob": lp, "bytes": list(raw(t))}
+
         content = [
-            {
-                "token": tok,
-                "logprob": lp,
-                "bytes": list(tok.encode()),
-                "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
-                ],
-            }
-            for tok, lp, top in rows
+            {**one(token, entry[token]), "top_logprobs": [one(t, v) for t, v in _ranked(entry)]}
+            for token, entry in pairs
         ]
         return {"content": content}
+    rows = []
+    for token, entry in pairs:
+        rows.append((piece(token), entry[token], [(piece(t), lp) for t, lp in _ranked(entry)]))
     return {
         "tokens": [r[0] for r in rows],
         "token_logprobs": [r[1] for r in rows],

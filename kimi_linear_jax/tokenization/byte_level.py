@@ -64,6 +64,9 @@ class ByteTokenizer(Tokenizer):
             return bytes((item,))
         return self._special_names[item].encode("utf-8")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._item_bytes(token_id) if self._is_known(token_id) else b""
+
     def fingerprint(self) -> str:
         # UTF-8 bytes and the fixed specials: nothing but the id space differs.
         return digest("bytes", str(self.vocab_size), ",".join(BYTE_SPECIAL_TOKENS))

@@ -67,6 +67,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`; invalid UTF-8 becomes U+FFFD."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a UTF-8 character (its decode
+        alone is then U+FFFD). By default its decoded text's bytes; the byte-level kinds give
+        the raw bytes."""
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     @abc.abstractmethod
     def fingerprint(self) -> str:
         """A digest of what maps text to ids (vocabulary, merges, specials): equal for two

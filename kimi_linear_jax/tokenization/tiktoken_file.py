@@ -99,6 +99,11 @@ class TiktokenTokenizer(Tokenizer):
             )
         return b"".join(chunks).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if self._is_known(token_id) and not self._is_special(token_id):
+            return self._encoding.decode_single_token_bytes(token_id)
+        return super().token_bytes(token_id)
+
     def fingerprint(self) -> str:
         ranks = b"".join(
             rank.to_bytes(4, "little") + len(token).to_bytes(4, "little") + token

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +35,8 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = max(self._known_ids, default=-1) + 1
         self.bos_token_id = vocab.get(bos_token) if bos_token else None
         self.eos_token_ids = _eos_ids(vocab, eos_token)
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFTokenizer:
@@ -80,6 +84,18 @@ class HFTokenizer(Tokenizer):
                 )
         return "".join(chunks)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """Byte-level vocabularies (GPT-2's byte-to-character map) and byte-fallback pieces
+        (`<0xNN>`) give their raw bytes; other tokens their text's."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or self._is_special(token_id):
+            return super().token_bytes(token_id)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes((int(piece[3:5], 16),))
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return super().token_bytes(token_id)
+
     def fingerprint(self) -> str:
         return digest("tokenizer.json", self._tokenizer.to_str())
 
@@ -89,3 +105,20 @@ class HFTokenizer(Tokenizer):
     def _is_special(self, token_id: int) -> bool:
         # Known special tokens are skipped by the library; only unknown ids are ours to drop.
         return token_id not in self._known_ids
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other
+    bytes for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}

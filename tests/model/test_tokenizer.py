@@ -410,3 +410,30 @@ def test_builtin_chat_template_keeps_each_message_on_its_lines() -> None:
         text = tok.apply_chat_template(messages)
         assert text == "# system:\nYou write Python.\n# user:\nhi\n# assistant:\n"
         assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("hi\n")
+
+
+def test_token_bytes_are_the_raw_bytes_of_partial_characters(tmp_path: Path) -> None:
+    """Issue 36: a token holding part of a UTF-8 character reports that part (chat logprobs'
+    `bytes`), and a text's tokens' bytes join into the text, with every kind."""
+    from kimi_linear_jax.tokenizer import load_tokenizer
+
+    builtin = load_tokenizer(Path(__file__).parents[2] / "kimi_linear_jax/builtin/pycode", 1 << 20)
+    text = "h\u00e9llo \u65e5\u672c"
+    for tok in [*_chat_tokenizers(tmp_path), builtin]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), type(tok).__name__
+    byte = ByteTokenizer(320)
+    assert [byte.token_bytes(i) for i in byte.encode("\u00e9")] == [b"\xc3", b"\xa9"]
+
+
+def test_chat_logprob_bytes_are_the_tokens_own():
+    from serving.output import RequestOutput
+    from serving.protocol import openai_logprobs
+
+    tok = ByteTokenizer(320)
+    ids = tok.encode("\u00e9")  # two tokens, each half of the character
+    out = RequestOutput("r", [1], "\u00e9", ids, "stop", logprobs=[{i: -0.5} for i in ids])
+    content = openai_logprobs(tok, out, 0, chat=True)["content"]
+    assert [c["bytes"] for c in content] == [[0xC3], [0xA9]]
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [[0xC3], [0xA9]]
+    assert bytes(sum((c["bytes"] for c in content), [])).decode() == "\u00e9"
