@@ -510,7 +510,10 @@ def serve(
         # (their handlers abort them in the engine) and stop the engine loop.
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    DrainingServer(config, app.state.server).run()
+    try:
+        DrainingServer(config, app.state.server).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; uvicorn.run does this
+        pass
 
 
 class DrainingServer(uvicorn.Server):
