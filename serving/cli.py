@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from serving.server import model_name_for, serve
+    from serving.launcher import model_name_for, serve
 
     if args.max_queue < 0 or not args.request_timeout > 0:
         raise ValueError("--max-queue must be >= 0 and --request-timeout > 0")

@@ -1,7 +1,8 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLM`: the app, its metrics and
-how it runs. The request and response bodies are in `serving/protocol.py`; the thread that
-owns the engine is `serving/engine_loop.py`; the ASGI middleware, the SSE response and the
-background server of tests and benchmarks are in `serving/asgi.py`.
+"""OpenAI-compatible HTTP server (FastAPI) over one `LLM`: the app, its metrics and its
+requests' lifecycle; `serving/launcher.py` runs it under uvicorn. The request and response
+bodies are in `serving/protocol.py`; the thread that owns the engine is
+`serving/engine_loop.py`; the ASGI middleware, the SSE response and the background server of
+tests and benchmarks are in `serving/asgi.py`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /metrics (Prometheus, one registry per server). Errors use OpenAI's body
@@ -14,12 +15,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +27,6 @@ from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
-from serving.connections import TimedH11Protocol
 from serving.echo import Echo
 from serving.engine import LLM, RequestOutput
 from serving.engine_loop import ACCEPTED, EngineLoop, Stream
@@ -59,11 +57,10 @@ log = logging.getLogger("kimi_linear_jax.server")
 CLIENT_CLOSED = 499
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
-# Bound on a graceful shutdown: running requests get this long, then are cancelled.
-SHUTDOWN_GRACE_S = 5
 DRAIN = object()  # pushed to a running request's stream when the drain time is over
-# Of which requests get this long to finish once SIGTERM / SIGINT came; a stream still running
-# then ends with an OpenAI error event and [DONE], a non-streaming request with a JSON 503.
+# Requests get this long to finish once SIGTERM / SIGINT came (`serving/launcher.py`); a
+# stream still running then ends with an OpenAI error event and [DONE], a non-streaming
+# request with a JSON 503.
 DRAIN_S = 3.5
 # The request the server runs before /health says ok (its first compile).
 WARM_UP_ID = "warm-up"
@@ -468,16 +465,7 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-# ---- running it --------------------------------------------------------------------------------
-
-
-def model_name_for(path: str | None, served_name: str | None = None) -> str:
-    """--served-model-name, else the checkpoint's directory name, else the default's name."""
-    if served_name:
-        return served_name
-    if path:
-        return os.path.basename(os.path.normpath(path))
-    return DEFAULT_MODEL_NAME
+# ---- the app ----------------------------------------------------------------------------------
 
 
 def build_app(llm: LLM, **kwargs) -> FastAPI:
@@ -486,45 +474,3 @@ def build_app(llm: LLM, **kwargs) -> FastAPI:
     server = OpenAIServer(llm, **kwargs)
     server.app.state.server = server
     return server.app
-
-
-def serve(
-    llm: LLM,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    timeout_keep_alive: float = 5.0,
-    **kwargs,
-) -> None:
-    """Serve until interrupted (the `kimi-linear-jax serve` command). An idle connection closes
-    after `timeout_keep_alive` seconds (uvicorn's default, 5): a proxy that keeps connections
-    longer than the server may reuse one just as it closes, and its client sees a reset."""
-    app = build_app(llm, **kwargs)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=TimedH11Protocol,  # idle and header-phase connections close too
-        log_level="info",
-        timeout_keep_alive=timeout_keep_alive,
-        # SIGINT / SIGTERM: stop accepting, give running requests this long, then cancel them
-        # (their handlers abort them in the engine) and stop the engine loop.
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
-    try:
-        DrainingServer(config, app.state.server).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled; uvicorn.run does this
-        pass
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server that tells the app a shutdown began (`begin_drain`) when the signal
-    comes, so that its streams end with an error event and [DONE] inside the grace period
-    instead of being cut."""
-
-    def __init__(self, config: uvicorn.Config, server: OpenAIServer) -> None:
-        super().__init__(config)
-        self.app_server = server
-
-    def handle_exit(self, sig, frame) -> None:
-        self.app_server.begin_drain()
-        super().handle_exit(sig, frame)

@@ -362,13 +362,13 @@ def test_plan_target_without_the_cuda_plugin_says_how_to_get_it(capsys, monkeypa
 
 def _as_follower(monkeypatch, follow):
     """`serve` as process 1 of a group: no model load, no process group (stubs)."""
+    import serving.launcher
     import serving.lockstep
-    import serving.server
 
     monkeypatch.setattr(cli, "llm_from_args", lambda args: "llm")
     monkeypatch.setattr(cli, "_leader", lambda: False)
     monkeypatch.setattr(serving.lockstep, "follow", follow)
-    monkeypatch.setattr(serving.server, "serve", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setattr(serving.launcher, "serve", lambda *a, **k: pytest.fail("served"))
 
 
 def test_serve_on_a_follower_replays_process_0_and_prints_nothing(monkeypatch, capsys):
@@ -404,12 +404,12 @@ def test_serve_on_a_follower_out_of_step_exits_1_at_once(monkeypatch, capsys):
 def test_serve_passes_the_keep_alive_and_refuses_a_bad_one(monkeypatch, capsys):
     """`--timeout-keep-alive` reaches uvicorn; one that is not > 0 is refused before any model
     loads."""
-    import serving.server
+    import serving.launcher
 
     seen = {}
     monkeypatch.setattr(cli, "llm_from_args", lambda args: "llm")
     monkeypatch.setattr(cli, "_leader", lambda: True)
-    monkeypatch.setattr(serving.server, "serve", lambda llm, **kw: seen.update(kw))
+    monkeypatch.setattr(serving.launcher, "serve", lambda llm, **kw: seen.update(kw))
     assert run(capsys, "serve", "--timeout-keep-alive", "75")[0] == 0
     assert seen["timeout_keep_alive"] == 75
     rc, out, err = run(capsys, "serve", "--timeout-keep-alive", "0")

@@ -517,14 +517,15 @@ def test_a_stopped_engine_loop_refuses_requests_at_once(fresh):
 def test_serve_bounds_the_graceful_shutdown(monkeypatch, setup):
     """`kimi-linear-jax serve` hands uvicorn a bound: SIGINT / SIGTERM cancel what still runs
     after it (uvicorn's default is to wait for every request, however long)."""
-    import serving.server as server_module
+    import serving.launcher as launcher
+    from serving.server import DRAIN_S
 
     seen = {}
-    monkeypatch.setattr(server_module.DrainingServer, "run", lambda self: seen.update(c=self))
-    server_module.serve(_engine_like(setup[2]), port=0, timeout_keep_alive=75)
+    monkeypatch.setattr(launcher.DrainingServer, "run", lambda self: seen.update(c=self))
+    launcher.serve(_engine_like(setup[2]), port=0, timeout_keep_alive=75)
     config = seen["c"].config
     assert 0 < config.timeout_graceful_shutdown <= 10
-    assert server_module.DRAIN_S < config.timeout_graceful_shutdown  # drained, then cancelled
+    assert DRAIN_S < config.timeout_graceful_shutdown  # drained, then cancelled
     assert config.timeout_keep_alive == 75
 
 
