@@ -4,7 +4,8 @@ the draft model (greedy, keeping the state after each step for its rollback).
 Each step feeds back the token it picked. Tokens are picked on device in one of three static
 modes (`MODES`), so each mode compiles once per bucket: "greedy" is a bare argmax; "sample"
 runs `sampling.sample` (any temperature, truncation, logprobs); "penalized" also applies the
-repetition / presence / frequency penalties first.
+repetition / presence / frequency penalties first. Both add each row's logit_bias before the
+draw; a biased row is never in greedy mode (`step_result.sample_mode`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_linear_jax.model import commit_kda, merge
-from serving.sampling import apply_penalties, no_logprobs, sample
+from serving.sampling import apply_bias, apply_penalties, no_logprobs, sample
 from serving.speculative.ngram import suffix_recurs
 
 MODES = ("greedy", "sample", "penalized")
@@ -30,6 +31,7 @@ def pick(logits, sampling, counts, prompt_mask, mode):
         return tokens, *no_logprobs(tokens)
     if mode == "penalized":
         logits = apply_penalties(logits, counts, prompt_mask, sampling)
+    logits = apply_bias(logits, sampling)
     tokens, chosen, (top_ids, top_values) = sample(logits, sampling)
     return tokens, chosen, top_ids, top_values
 

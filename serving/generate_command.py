@@ -14,7 +14,7 @@ import time
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.engine_args import _add_model_flags, _leader, llm_from_args
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, logit_bias_from_json
 
 # Fields a JSONL line may set besides its prompt (the SamplingParams ones) and their JSON types;
 # checked here because a wrong type would otherwise fail deep in the engine, not alone.
@@ -34,6 +34,7 @@ LINE_FIELDS = {
     "ignore_eos": bool,
     "logprobs": (int, type(None)),
     "prompt_logprobs": (int, type(None)),
+    "logit_bias": dict,  # OpenAI's {"token id": bias}
 }
 assert set(LINE_FIELDS) == {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -171,7 +172,7 @@ def _typed(name: str, value):
         value = tuple(value)
     if not ok:
         raise ValueError(f"{name} has the wrong type: {value!r:.60}")
-    return value
+    return logit_bias_from_json(value) if name == "logit_bias" else value
 
 
 def _line_prompt(request: dict, llm):

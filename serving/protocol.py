@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from serving.echo import echo_logprobs, echo_text
 from serving.output import RequestOutput
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, logit_bias_from_json
 
 
 class ApiError(Exception):
@@ -72,9 +72,9 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict | None = None  # {"token id": bias}, OpenAI's form
     # Accepted by OpenAI, not served here: named so that a request using them gets a 400
     # (`refuse_unsupported`) instead of being answered as if they were not there.
-    logit_bias: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
@@ -83,7 +83,6 @@ class _SamplingFields(BaseModel):
 def refuse_unsupported(body: _SamplingFields) -> None:
     """400 naming the first field the server cannot honour; their no-op values pass."""
     noop = {
-        "logit_bias": lambda v: not v,
         "response_format": lambda v: v.get("type") == "text",
         "tools": lambda v: not v,
         "tool_choice": lambda v: v == "none",
@@ -128,6 +127,7 @@ def sampling_params(
     try:
         return SamplingParams(
             **{name: getattr(body, name) for name in fields},
+            logit_bias=logit_bias_from_json(body.logit_bias or {}),
             max_tokens=max_tokens,
             stop=stop,
             stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -137,7 +137,7 @@ def sampling_params(
             else getattr(body, "prompt_logprobs", None),
         )
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from e
+        raise bad_request(str(e), param_of(str(e))) from e
 
 
 class TextDelta:

@@ -27,6 +27,10 @@ PENALTY_LIMIT = 2.0
 # Below this a temperature is treated as greedy (vLLM's _SAMPLING_EPS): dividing f32 logits by
 # a tiny temperature overflows to inf and the draw becomes NaN-driven rather than an argmax.
 GREEDY_EPS = 1e-5
+# OpenAI's limits on logit_bias: values in [-100, 100] and at most 300 entries. The entry cap is
+# also the static width of the per-row bias arrays of a batch in which some row has a bias.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,9 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's prompt_logprobs: per prompt token, its logprob and the top N (engine.RequestOutput).
     prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before every draw. A dict
+    # {id: bias} is taken too and stored as its pairs (the dataclass stays hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # vLLM's forms: one stop string, or lists. Only the container changes here; the values
@@ -58,6 +65,11 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif isinstance(self.logit_bias, list):
+            pairs = self.logit_bias
+            object.__setattr__(self, "logit_bias", tuple(_pair(p) for p in pairs))
 
     @property
     def has_penalty(self) -> bool:
@@ -67,6 +79,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def has_bias(self) -> bool:
+        """A logit_bias: the row leaves the greedy fast path (a bare argmax of raw logits)."""
+        return len(self.logit_bias) > 0
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first field of a wrong type or outside its limit. The
@@ -106,6 +123,30 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        self._validate_bias(vocab_size)
+
+    def _validate_bias(self, vocab_size: int) -> None:
+        pairs = self.logit_bias
+        if not isinstance(pairs, tuple) or not all(_is_bias_pair(p) for p in pairs):
+            raise ValueError(
+                f"logit_bias must map token ids to finite numbers, got {pairs!r:.60}"
+            )
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(pairs)} entries, at most {MAX_LOGIT_BIAS}")
+        seen = set()
+        for token, bias in pairs:
+            if not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
+                )
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be in "
+                    f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}"
+                )
+            if token in seen:
+                raise ValueError(f"logit_bias: token id {token} appears twice")
+            seen.add(token)
 
     def _check_types(self) -> None:
         for name in _FLOATS:
@@ -150,6 +191,33 @@ def is_number(x) -> bool:
     return is_int(x) or isinstance(x, float | np.floating)
 
 
+def _pair(p):
+    return tuple(p) if isinstance(p, list | tuple) else p
+
+
+def _is_bias_pair(p) -> bool:
+    return (
+        isinstance(p, tuple)
+        and len(p) == 2
+        and is_int(p[0])
+        and is_number(p[1])
+        and math.isfinite(p[1])
+    )
+
+
+def logit_bias_from_json(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's JSON form of logit_bias, {"token id": bias}, as (id, bias) pairs. Keys must
+    be decimal token ids ("42"); the values are left for `SamplingParams.validate` to check."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {value!r:.60}")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+            raise ValueError(f"logit_bias: key {key!r:.40} is not a token id")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
+
+
 def resolve_seed(params: SamplingParams) -> int:
     """The request's seed, or a fresh one drawn on the host (called once, at admission)."""
     if params.seed is not None:
@@ -173,6 +241,10 @@ class SamplingBatch(NamedTuple):
     frequency_penalty: jax.Array  # [B] f32
     seed: jax.Array  # [B] uint32
     step: jax.Array  # [B] int32
+    # The rows' logit_bias, padded with (0, 0.0): K = 1 when no row has one, else MAX_LOGIT_BIAS
+    # (static, so a biased batch compiles once per bucket).
+    bias_ids: jax.Array  # [B, K] int32
+    bias_values: jax.Array  # [B, K] f32
 
     @classmethod
     def from_params(
@@ -202,6 +274,9 @@ class SamplingBatch(NamedTuple):
         freq = np.zeros(bucket_size, np.float32)
         seed = np.zeros(bucket_size, np.uint32)
         step = np.zeros(bucket_size, np.int32)
+        k = MAX_LOGIT_BIAS if any(p.has_bias for p in params) else 1
+        bias_ids = np.zeros((bucket_size, k), np.int32)
+        bias_values = np.zeros((bucket_size, k), np.float32)
         for i, p in enumerate(params):
             s = seeds[i] if seeds is not None else p.seed
             if s is None:
@@ -216,7 +291,10 @@ class SamplingBatch(NamedTuple):
             # PRNG seeds are 32-bit on device (x64 off); any Python int maps onto one.
             seed[i] = s & 0xFFFFFFFF
             step[i] = steps[i]
+            for j, (token, bias) in enumerate(p.logit_bias):
+                bias_ids[i, j], bias_values[i, j] = token, bias
         arrays = (temperature, top_p, top_k, min_p, rep, pres, freq, seed, step)
+        arrays += (bias_ids, bias_values)
         return cls(*arrays)  # numpy: jit takes it without a device_put per array
 
 
@@ -243,6 +321,13 @@ def apply_penalties(
     logits = jnp.where(seen, penalised, logits)
     logits = logits - batch.presence_penalty[:, None] * generated.astype(jnp.float32)
     return logits - batch.frequency_penalty[:, None] * counts
+
+
+def apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """logits [B, V] f32 plus each row's logit_bias. Padding entries add 0.0 to token 0, which
+    leaves it as it was; a row's ids are distinct (`validate`), so the adds never collide."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jnp.asarray(logits).at[rows, batch.bias_ids].add(batch.bias_values)
 
 
 def truncation_mask(scaled: jax.Array, batch: SamplingBatch) -> tuple[jax.Array, jax.Array]:
@@ -279,7 +364,8 @@ def sample(
     Returns (tokens [B] int32, chosen logprob [B] f32, (top ids [B, N] int32, top values [B, N])).
     `keys` [B] defaults to `row_keys(batch.seed, batch.step)`; N = min(num_top_logprobs, V), static.
 
-    Logprobs are the log_softmax of the logits as passed in: after penalties, before temperature
+    Logprobs are the log_softmax of the logits as passed in: after penalties and logit_bias
+    (`apply_bias`, which the callers apply first), before temperature
     and truncation (vLLM's default "raw" logprobs), so they describe the model, not the sampler,
     and a greedy row reports the same values as a sampled one.
     """

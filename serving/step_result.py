@@ -44,7 +44,10 @@ class StepResult(NamedTuple):
 def sample_mode(requests: Sequence[Request]) -> str:
     if any(r.params.has_penalty for r in requests):
         return "penalized"
-    if any(r.params.temperature >= GREEDY_EPS or r.params.logprobs is not None for r in requests):
+    if any(
+        r.params.temperature >= GREEDY_EPS or r.params.logprobs is not None or r.params.has_bias
+        for r in requests
+    ):
         return "sample"
     return "greedy"
 

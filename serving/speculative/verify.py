@@ -38,6 +38,7 @@ from kimi_linear_jax.layers.kda import commit, replay
 from kimi_linear_jax.model import commit_kda, merge
 from serving.sampling import (
     SamplingBatch,
+    apply_bias,
     apply_penalties,
     no_logprobs,
     token_logprobs,
@@ -61,7 +62,7 @@ def target_probs(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
 
 def _per_position(batch: SamplingBatch, t: int) -> SamplingBatch:
     """Row parameters repeated for each of t window positions, the PRNG step advancing."""
-    rep = jax.tree.map(lambda a: jnp.repeat(a, t), batch)
+    rep = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), batch)
     return rep._replace(step=rep.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), batch.step.size))
 
 
@@ -172,6 +173,8 @@ def verify_step(
     logits = logits.astype(jnp.float32)
     if mode == "penalized":  # penalised rows get no drafts: only position 0 matters
         logits = logits.at[:, 0].set(apply_penalties(logits[:, 0], counts, prompt_mask, sampling))
+    if mode != "greedy":  # logit_bias is the same at every position of the window
+        logits = jax.vmap(apply_bias, in_axes=(1, None), out_axes=1)(logits, sampling)
     tokens, accepted = accept(logits, drafts, num_drafts, sampling, sample=mode != "greedy")
     commit_lens = jnp.where(live, accepted + 1, 0)
     if commit_recurrent and track and commit == "replay":

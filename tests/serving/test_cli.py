@@ -94,6 +94,7 @@ def test_prompt_logprobs_flag_and_line_field(checkpoint, reference, capsys, tmp_
 
 
 def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_path, monkeypatch):
+    BANNED = str(reference[0].token_ids[0])  # noqa: N806 - a line's logit_bias bans it
     lines = [
         json.dumps({"prompt": PROMPTS[0], "max_tokens": 4}),
         "this is not json",
@@ -106,6 +107,9 @@ def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_pat
         '{"prompt": [1e400]}',  # json reads inf
         json.dumps({"messages": [{"role": ["user"], "content": "x"}]}),
         json.dumps({"prompt": [1.5, 2]}),
+        json.dumps({"prompt": PROMPTS[0], "max_tokens": 4, "logit_bias": {"x": 1}}),
+        json.dumps({"prompt": PROMPTS[0], "max_tokens": 4, "logit_bias": [1]}),
+        json.dumps({"prompt": PROMPTS[0], "max_tokens": 4, "logit_bias": {BANNED: -100}}),
     ]
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
     out_file = tmp_path / "out.jsonl"
@@ -127,8 +131,11 @@ def test_batch_jsonl_bad_lines_fail_alone(checkpoint, reference, capsys, tmp_pat
         (8, "line 9: prompt must be a str or a list of token ids (ints), got inf"),
         (9, "line 10: messages[0]['role'] must be one of"),
         (10, "line 11: prompt must be a str or a list of token ids (ints), got 1.5"),
+        (11, "line 12: logit_bias: key 'x' is not a token id"),
+        (12, "line 13: logit_bias has the wrong type"),
     ]:
         assert set(rows[n]) == {"error"} and match in rows[n]["error"], rows[n]
+    assert rows[13]["token_ids"][0] != reference[0].token_ids[0]
 
 
 def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):

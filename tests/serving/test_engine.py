@@ -245,6 +245,31 @@ def test_logprobs_match_full_forward(model):
     assert no_logprobs.logprobs is None
 
 
+@pytest.mark.parametrize("engine", [{}, {"num_scheduler_steps": 4}, {"async_scheduling": True}])
+def test_logit_bias_tokens_are_the_argmax_of_biased_full_forward_logits(model, reference, engine):
+    """Issue 36, defect 7: a greedy row with a logit_bias picks argmax(logits + bias) at every
+    step (single, fused and async decode), and its logprobs are log_softmax(logits + bias)."""
+    bias = {reference[0][1]: -100.0, 7: 4.0, 99: 2.5}
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=2, logit_bias=bias)
+    mates = [GREEDY, GREEDY]
+    outs = make_llm(model, **engine).generate(PROMPTS, [params, *mates], use_tqdm=False)
+    assert [o.token_ids for o in outs[1:]] == reference[1:]  # the rows beside it unbiased
+    out = outs[0]
+    assert out.token_ids != reference[0][:5] and reference[0][1] not in out.token_ids
+    dense = np.zeros(model.config.vocab_size, np.float32)
+    dense[list(bias)] = list(bias.values())
+    graphdef, state = nnx.split(model)
+    ids = PROMPTS[0] + out.token_ids
+    padded = np.zeros((1, 32), np.int32)
+    padded[0, : len(ids)] = ids
+    logits = np.asarray(forward(graphdef, state, jnp.asarray(padded))[0]) + dense
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = logp[len(PROMPTS[0]) - 1 + j]
+        assert token == int(np.argmax(row)), j
+        assert abs(entry[token] - row[token]) < 1e-4
+
+
 def _first_prefix_with(tokenizer, ids, stop):
     """Shortest prefix of ids whose text contains `stop` (the engine's rule, by brute force)."""
     for n in range(1, len(ids) + 1):

@@ -13,6 +13,7 @@ from serving.sampling import (
     MAX_LOGPROBS,
     SamplingBatch,
     SamplingParams,
+    apply_bias,
     apply_penalties,
     resolve_seed,
     sample,
@@ -310,6 +311,12 @@ def test_top_logprobs_default_width_and_small_vocab():
         ("max_tokens", 0),
         ("logprobs", -1),
         ("logprobs", 21),
+        ("logit_bias", {100: 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: -100.5}),
+        ("logit_bias", {3: float("inf")}),
+        ("logit_bias", ((3, 1.0), (3, 2.0))),
+        ("logit_bias", {i: 1.0 for i in range(301)}),
     ],
 )
 def test_validate_rejects(field, value):
@@ -336,7 +343,8 @@ def test_from_params_pads_and_checks():
         [3, 4],
         4,
     )
-    assert all(np.asarray(a).shape == (4,) for a in batch)
+    assert all(np.asarray(a).shape == (4,) for a in batch[:-2])
+    assert batch.bias_ids.shape == batch.bias_values.shape == (4, 1)
     np.testing.assert_array_equal(np.asarray(batch.top_k), [0, 7, 0, 0])
     np.testing.assert_array_equal(np.asarray(batch.temperature), [1.0, 0.5, 0.0, 0.0])
     np.testing.assert_array_equal(np.asarray(batch.repetition_penalty), [1, 1, 1, 1])
@@ -351,3 +359,49 @@ def test_resolve_seed():
     assert resolve_seed(SamplingParams(seed=42)) == 42
     drawn = {resolve_seed(SamplingParams()) for _ in range(4)}
     assert all(0 <= s < 2**32 for s in drawn) and len(drawn) > 1
+
+
+# --- logit_bias ---------------------------------------------------------------------------------
+
+
+def test_apply_bias_adds_each_rows_entries_only():
+    """Against a dense numpy add; the unbiased row and the padding entries stay bit-equal."""
+    biases = [{1: 3.0, 5: -2.5}, {}, {0: 100.0, 7: -100.0, 3: 0.25}]
+    params = [SamplingParams(seed=0, logit_bias=b) for b in biases]
+    batch = SamplingBatch.from_params(params, [0] * 3, 4)
+    assert batch.bias_ids.shape == (4, 300)
+    logits = np.random.default_rng(0).normal(size=(4, V)).astype(np.float32)
+    want = logits.copy()
+    for row, bias in enumerate(biases):
+        for token, value in bias.items():
+            want[row, token] += np.float32(value)
+    got = np.asarray(apply_bias(logits, batch))
+    np.testing.assert_array_equal(got, want)
+    unbiased = SamplingBatch.from_params([SamplingParams(seed=0)], [0], 2)
+    assert unbiased.bias_ids.shape == (2, 1)  # no row asks: the arrays stay one entry wide
+    np.testing.assert_array_equal(np.asarray(apply_bias(logits[:2], unbiased)), logits[:2])
+
+
+def test_biased_draws_follow_the_biased_softmax():
+    bias = {0: -100.0, 5: 2.0}
+    biased = LOGITS + np.array([-100.0, 0, 0, 0, 0, 2.0, 0, 0], np.float32)
+    params = SamplingParams(temperature=1.0, logit_bias=bias)
+    batch = SamplingBatch.from_params([params] * DRAWS, [0] * DRAWS, DRAWS, seeds=range(DRAWS))
+    logits = apply_bias(np.tile(LOGITS, (DRAWS, 1)), batch)
+    tokens = np.asarray(sample_jit(logits, batch)[0])
+    assert not np.any(tokens == 0)
+    assert_close(freqs(tokens), np_softmax(biased), atol=FREQ_ATOL, rtol_rms=0.05, name="biased")
+
+
+def test_logit_bias_forms_and_json_keys():
+    from serving.sampling import logit_bias_from_json
+
+    assert SamplingParams(logit_bias={4: 1.5}).logit_bias == ((4, 1.5),)
+    assert SamplingParams(logit_bias=[[4, 1.5]]).logit_bias == ((4, 1.5),)
+    assert SamplingParams(logit_bias={4: 1}).has_bias and not SamplingParams().has_bias
+    assert logit_bias_from_json({"12": -3}) == ((12, -3),)
+    for key in ("a", "-1", "1.0", " 1", "\u0663"):  # the last is an Arabic-Indic three
+        with pytest.raises(ValueError, match="is not a token id"):
+            logit_bias_from_json({key: 1})
+    with pytest.raises(ValueError, match="logit_bias must be an object"):
+        logit_bias_from_json([[1, 2]])

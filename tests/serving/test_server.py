@@ -196,8 +196,11 @@ BAD = [
     ("completions", {"prompt": [True, 2]}, 400, "prompt"),
     ("completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     # Issue 36: fields that used to be accepted and silently ignored.
-    ("completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias is not supp"),
-    ("chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5x": 10}}, 400, "key '5x' is not a token"),
+    ("completions", {"prompt": "x", "logit_bias": {"9999999": 1}}, 400, "outside the vocab"),
+    ("chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 101}}, 400, "in [-100, 1"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias must map"),
+    ("completions", {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias"),
     (
         "chat/completions",
         {"messages": MESSAGES, "response_format": {"type": "json_object"}},
@@ -748,6 +751,24 @@ def test_token_ids_as_a_list_of_one_list(url, offline):
     assert flat["choices"][0]["text"] == offline("Hello").text
     status, err = _completion(url, prompt=[ids, ids], max_tokens=MAX_TOKENS)
     assert status == 400 and "only one prompt per request" in err["error"]["message"]
+
+
+def test_logit_bias_bans_and_forces_tokens_as_offline(url, setup, offline):
+    """Issue 36, defect 7: logit_bias is applied (it used to be dropped). Banning the greedy
+    first token changes the text to what the offline engine gives with the same bias; a +100
+    bias makes a sampled chat answer that one token throughout."""
+    first = offline("Hello", 3).token_ids[0]
+    ban = {str(first): -100}
+    status, body = _completion(url, prompt="Hello", max_tokens=3, logit_bias=ban)
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={first: -100.0})
+    (want,) = setup[2].generate("Hello", params, use_tqdm=False)
+    assert want.token_ids[0] != first
+    assert status == 200 and body["choices"][0]["text"] == want.text
+    chat = {"messages": MESSAGES, "logit_bias": {"65": 100}, "max_tokens": 4, "seed": 3}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == setup[2].tokenizer.decode([65] * 4)
 
 
 def test_harmless_values_of_unserved_fields_pass_and_max_completion_tokens_counts(url, offline):

@@ -10,6 +10,7 @@ Engines share the shapes of test_engine.py so the jitted steps compile once per 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -958,3 +959,28 @@ def test_a_seed_gives_the_same_text_alone_batched_and_speculating(model):
         assert m["spec_draft_tokens"] > 0, spec["method"]
         if spec["method"] == "draft_model":  # the target drafting for itself: draws agree often
             assert m["spec_accepted_tokens"] > 0
+
+
+def test_logit_bias_holds_inside_verify_windows(model, reference):
+    """Issue 36, defect 7: the verify adds the bias at every window position, so a biased
+    request speculating (an oracle drafting the unbiased text, n-gram, the target as its own
+    draft) gives the plain engine's biased text, greedy and seeded."""
+    banned = reference[0][2]
+    greedy = dataclasses.replace(GREEDY, logit_bias={banned: -100.0, 3: 1.5})
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=10, ignore_eos=True)
+    seeded = dataclasses.replace(seeded, logit_bias={banned: -100.0, 11: 3.0})
+    params = [greedy, seeded, GREEDY]
+    want = [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, params, use_tqdm=False)]
+    assert want[0] != reference[0] and banned not in want[0] + want[1]
+    assert want[2] == reference[2]
+    self_draft = {"method": "draft_model", "num_draft_tokens": K, "model": model}
+    engines = [
+        spec_llm(model, drafter=oracle(model, reference, ERRORS["all_accepted"])),
+        spec_llm(model),
+        spec_llm(model, speculative={**self_draft, "min_acceptance": 0}),
+    ]
+    for llm in engines:
+        got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want
+        assert llm.metrics()["spec_draft_tokens"] > 0
+        assert_drained(llm)
