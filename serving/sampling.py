@@ -128,9 +128,7 @@ class SamplingParams:
     def _validate_bias(self, vocab_size: int) -> None:
         pairs = self.logit_bias
         if not isinstance(pairs, tuple) or not all(_is_bias_pair(p) for p in pairs):
-            raise ValueError(
-                f"logit_bias must map token ids to finite numbers, got {pairs!r:.60}"
-            )
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {pairs!r:.60}")
         if len(pairs) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(pairs)} entries, at most {MAX_LOGIT_BIAS}")
         seen = set()

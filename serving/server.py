@@ -5,7 +5,8 @@ bodies are in `serving/protocol.py`; the thread that owns the engine is
 tests and benchmarks are in `serving/asgi.py`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, GET /metrics (Prometheus, one registry per server). Errors use OpenAI's body
+GET /health, GET /metrics (Prometheus, one registry per server), and vLLM's POST /tokenize,
+POST /detokenize, GET /tokenizer_info (`serving/tokenizer_routes.py`). Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -48,6 +49,7 @@ from serving.protocol import (
     usage_body,
 )
 from serving.sampling import SamplingParams
+from serving.tokenizer_routes import add_tokenizer_routes
 
 DEFAULT_MODEL_NAME = "kimi-linear-default"
 log = logging.getLogger("kimi_linear_jax.server")
@@ -145,6 +147,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        add_tokenizer_routes(app, self)
         return app
 
     def _error_response(self, error: ApiError) -> JSONResponse:

@@ -48,8 +48,11 @@ class Tokenizer(abc.ABC):
         self, *, chat_template: str | None, bos_token: str | None, eos_token: str | None
     ) -> None:
         self._template = None if chat_template is None else _compile_template(chat_template)
-        self._bos_token = bos_token
-        self._eos_token = eos_token
+        # The template's source and the special strings it renders with, as the server's
+        # /tokenizer_info gives them to clients that render prompts themselves (lm-eval).
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
 
     @abc.abstractmethod
     def encode(
@@ -89,8 +92,8 @@ class Tokenizer(abc.ABC):
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token or "",
-            eos_token=self._eos_token or "",
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:

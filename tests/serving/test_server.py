@@ -771,6 +771,43 @@ def test_logit_bias_bans_and_forces_tokens_as_offline(url, setup, offline):
     assert choice["message"]["content"] == setup[2].tokenizer.decode([65] * 4)
 
 
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm(url, setup):
+    """vLLM's tokenizer endpoints (lm-eval's remote tokenizer backend uses them): the ids
+    are the ones a completion of the prompt runs, and bad input is a 400 naming the field."""
+    tok = setup[2].tokenizer
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello", "model": NAME}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == setup[2].max_model_len and body["token_strs"] is None
+    _, completion = _completion(url, prompt="Hello", max_tokens=1)
+    assert completion["usage"]["prompt_tokens"] == body["count"]
+    chat = {"messages": MESSAGES, "return_token_strs": True}
+    r = httpx.post(f"{url}/tokenize", json=chat, timeout=TIMEOUT)
+    ids = tok.encode_chat(MESSAGES)
+    assert r.json()["tokens"] == ids
+    assert "".join(r.json()["token_strs"]) == tok.decode(ids, skip_special_tokens=False)
+    r = httpx.post(f"{url}/detokenize", json={"tokens": tok.encode("Hi!")}, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"prompt": "Hi!"}
+    info = httpx.get(f"{url}/tokenizer_info", timeout=TIMEOUT).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["vocab_size"] == tok.vocab_size
+    for path, payload, match in [
+        ("tokenize", {"prompt": "a", "messages": MESSAGES}, "exactly one of prompt and messages"),
+        ("tokenize", {}, "exactly one of prompt and messages"),
+        ("tokenize", '{"prompt": "\\ud800"}', "lone surrogate"),
+        ("tokenize", {"messages": [{"role": "bot", "content": "x"}]}, "role"),
+        ("detokenize", {"tokens": [1, 10**9]}, "token id 1000000000 is outside"),
+        ("detokenize", {"tokens": ["a"]}, "tokens"),
+    ]:
+        kind = "content" if isinstance(payload, str) else "json"
+        headers = {"content-type": "application/json"}
+        r = httpx.post(f"{url}/{path}", **{kind: payload}, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 400 and match in r.json()["error"]["message"], (payload, r.text)
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "a", "model": "other"}, timeout=TIMEOUT)
+    assert r.status_code == 404
+
+
 def test_harmless_values_of_unserved_fields_pass_and_max_completion_tokens_counts(url, offline):
     body = {"prompt": "Hello", "temperature": 0, "max_completion_tokens": 3, "max_tokens": 9}
     extra = {"logit_bias": {}, "best_of": 1, "suffix": "", "response_format": {"type": "text"}}
