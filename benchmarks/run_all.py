@@ -28,6 +28,7 @@ import moe_tiles  # noqa: E402
 import ngram_policy  # noqa: E402
 import pool_size  # noqa: E402
 import prefix_cache  # noqa: E402
+import server_robustness  # noqa: E402
 import small_m_products  # noqa: E402
 import speculative  # noqa: E402
 import throughput  # noqa: E402
@@ -88,6 +89,9 @@ BENCHMARKS = {
     "async_scheduling": async_scheduling.main,
     # The corpus n-gram table built at an engine start vs loaded from the user's cache.
     "corpus_table": corpus_table.main,
+    # What hostile client input costs the server: /health under a big body, refusal times,
+    # idle connections closed, a logit_bias step.
+    "server_robustness": server_robustness.main,
 }
 
 
