@@ -36,7 +36,7 @@ test-heavy: install-test
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m heavy
 
 bench: install-test
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks all
 
 # The newest jax that pip picks on Python 3.12 (0.12.x today): the kernel and parallel tests,
 # so that a jax release cannot break them silently. Without a Python 3.12 it says so and passes.

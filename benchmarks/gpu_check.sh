@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU check of the paged MLA decode kernel, for a session lent an NVIDIA H200 for minutes.
+# One-call GPU check of the paged MLA decode kernel, for a machine lent an NVIDIA H200 for minutes.
 #
 # Run from the repo root (on the device machine, $OUT is the folder whose files come back):
 #     bash benchmarks/gpu_check.sh "$OUT"
@@ -19,17 +19,18 @@
 #   2. nvidia-smi (<= 20 s) GPU, driver, clocks, memory in use.
 #   3. pytest   (<= 150 s) `pytest -q -m gpu tests/kernels -x` with JAX_PLATFORMS=cuda: the
 #                          compiled Triton kernel against the reference at the release dims.
-#   4. speculation (<= 120 s) `benchmarks/code_speculation.py --k 8 --prompts 3`: plain,
-#                          n-gram, n-gram + corpus, draft model and lookup first on the
+#   4. speculation (<= 120 s) `python -m benchmarks speculative --only code --k 8 --prompts 3`:
+#                          plain, n-gram, n-gram + corpus, draft model and lookup first on the
 #                          built-in models (issue 15's goals).
-#   5. bench    (the rest, >= 150 s) `benchmarks/mla_decode.py --out OUTDIR` on the full grid
-#                          (B 1 16 64, ctx 4096 32768, T 1 4), told to start no config within
-#                          60 s of its timeout; it rewrites OUTDIR/mla_decode.json after every
-#                          config, so a cut-short run keeps its rows.
+#   5. bench    (the rest, >= 150 s) `python -m benchmarks kernel --only mla_decode --out OUTDIR`
+#                          on the full grid (B 1 16 64, ctx 4096 32768, T 1 4), told to start no
+#                          config within 60 s of its timeout; it rewrites
+#                          OUTDIR/kernel_mla_decode.json after every config, so a cut-short run
+#                          keeps its rows.
 #   6. summary  OUTDIR/summary.txt: each step's exit code (124 = timed out) and seconds, the GPU,
 #                          the pytest result line and both benchmark tables.
 # Files in OUTDIR (8, the device tool's limit): env.log, nvidia-smi.log, pytest.log,
-# speculation.log, code_speculation_k8.json, bench.log, mla_decode.json, summary.txt.
+# speculation.log, speculative_code.json, bench.log, kernel_mla_decode.json, summary.txt.
 
 set -u
 set -o pipefail
@@ -198,9 +199,9 @@ fi
 
 # ---- 4. speculation on the built-in models (issue 15's speed goals) ---------------------------
 if [ "$MODE" != none ]; then
-    SPEC=(benchmarks/code_speculation.py --k 8 --prompts 3 --repeats 2 --out "$OUTDIR")
-    [ "$MODE" = cpu ] && SPEC=(benchmarks/code_speculation.py --k 2 --prompts 1 --max-tokens 16
-        --repeats 1 --lookup-k 2 --lookup-model-k 1 --out "$OUTDIR")
+    SPEC=(-m benchmarks speculative --only code --k 8 --prompts 3 --repeats 2 --out "$OUTDIR")
+    [ "$MODE" = cpu ] && SPEC=(-m benchmarks speculative --only code --k 2 --prompts 1
+        --max-tokens 16 --repeats 1 --lookup-k 2 --lookup-model-k 1 --out "$OUTDIR")
     run_step speculation 120 "$PY" "${SPEC[@]}"
 else
     record speculation skip 0 "no usable python"
@@ -209,7 +210,8 @@ fi
 # ---- 5. benchmark ---------------------------------------------------------------------------
 if [ "$MODE" != none ]; then
     t=$(($(left) - 10))
-    BENCH=(benchmarks/mla_decode.py --out "$OUTDIR" --time-budget $((t > 90 ? t - 60 : t / 2)))
+    BENCH=(-m benchmarks kernel --only mla_decode --out "$OUTDIR"
+        --time-budget $((t > 90 ? t - 60 : t / 2)))
     if [ "$MODE" = cpu ]; then
         BENCH+=(--B 1 --ctx 512 --T 1 4 --repeats 2 --copy-mib 64 --min-pool-mib 8)
     fi
@@ -250,7 +252,7 @@ fi
             # The table: from its header line to the end.
             sed -n '/^ *B  *ctx  *T /,$p' "$OUTDIR/bench.log"
         else
-            # Cut short: the configs that finished (their rows are in mla_decode.json).
+            # Cut short: the configs that finished (their rows are in kernel_mla_decode.json).
             grep '^done:' "$OUTDIR/bench.log"
         fi
         grep -E 'Error|Traceback' "$OUTDIR/bench.log" | head -n 5

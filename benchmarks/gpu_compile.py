@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.harness import print_table, write_json  # noqa: E402
 from kernels.gpu_target import Target, compile_deviceless, topology  # noqa: E402
 from kernels.mla_decode import launch_tiles, mla_paged_attention  # noqa: E402
 

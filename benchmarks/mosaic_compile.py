@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.harness import print_table, write_json  # noqa: E402
 from kernels.gpu_target import Target, parse_ptxas, topology  # noqa: E402
 from kernels.mla_decode_mgpu import mla_paged_attention_mgpu  # noqa: E402
 

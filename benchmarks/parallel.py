@@ -1,55 +1,36 @@
-"""Serving the release on several devices: memory per device, collective bytes, step time.
+"""Serving the release on several devices: memory per device (the planner), collective bytes
+per decode step, and decode step time on emulated devices, TP x DCP.
 
-Three sections (``--only`` picks some):
+    python -m benchmarks parallel [--only memory collectives step] [--quick]
 
-- ``memory``: the memory planner (``kimi_linear_jax.parallel.plan``, as ``kimi-linear-jax
-  plan``) on the release's shapes (``kimi-linear-48b-a3b``, bf16, fp32 KDA state), abstract
-  (nothing is allocated): weights, activation estimate, latent per token and state per slot
-  per device, and the pages, tokens and sequences that fit on 80 GB and 141 GB devices.
-- ``collectives``: bytes each device sends per decode step for one MLA layer (query all-gather,
-  DCP combine, o_proj all-reduce) and one MoE layer (one all-reduce), for both combines, at
-  tp 8 / dcp 8 on the release's shapes, from ring-algorithm formulas. The same formulas are
-  checked against the collectives XLA compiles into a whole decode step on 8 emulated devices
-  (a small config): the table shows both totals.
-- ``step``: decode step time on emulated CPU devices (tp 1 vs 4, both combines at tp 4 / dcp 4
-  and tp 8 / dcp 8), interleaved, as ratios to tp 1. Eight emulated devices share 2 cores
-  here: this is a record of overheads, not of GPU speed.
-
-Run: ``python benchmarks/parallel.py`` (prints tables, writes ``results/parallel.json``).
+The collectives and step measures run in a process with 8 emulated CPU devices (the harness
+starts one).
 """
 
 from __future__ import annotations
 
-import os
+import math
+import re
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
+from benchmarks.harness import Suite, Table, add_ratio, interleaved, repeats
+from kimi_linear_jax.cache import contiguous_batch
+from kimi_linear_jax.model import decode_step
+from kimi_linear_jax.parallel.mesh import make_parallel
+from kimi_linear_jax.parallel.plan import plan_memory
+from kimi_linear_jax.parallel.rules import init_cache, shard_model
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import RESULTS_DIR, print_table, timeit_interleaved, write_json  # noqa: E402
-from flax import nnx  # noqa: E402
+SUITE = Suite("parallel", __doc__)
+SUITE.option("--batch", type=int, default=8, help="collectives, step: decode rows")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kimi_linear_jax.cache import contiguous_batch  # noqa: E402
-from kimi_linear_jax.model import decode_step  # noqa: E402
-from kimi_linear_jax.parallel.mesh import make_parallel  # noqa: E402
-from kimi_linear_jax.parallel.plan import plan_memory  # noqa: E402
-from kimi_linear_jax.parallel.rules import init_cache, shard_model  # noqa: E402
-from kimi_linear_jax.presets import preset  # noqa: E402
-from kimi_linear_jax.testing import random_model  # noqa: E402
-
-GB, GiB, MiB = 1e9, 2**30, 2**20
+GB, MiB = 1e9, 2**20
 RELEASE = "kimi-linear-48b-a3b"
+SMALL = preset("tiny-tp8")  # the emulated devices' model: every TP degree up to 8 shards it
 # (name, GB per device, tp, dcp, draft tokens)
 SETUPS = [
     ("1 x 80 GB", 80, 1, 1, 0),
@@ -65,16 +46,17 @@ UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 CONTEXT = 131072
 
 
-# ---- memory ------------------------------------------------------------------------------------
-
-
-def memory_rows() -> list[dict]:
-    """The library's planner (`kimi_linear_jax.parallel.plan`) on each setup."""
-    cfg = preset(RELEASE)
+@SUITE.measure("memory")
+def memory(args) -> Table:
+    """The memory planner (``kimi_linear_jax.parallel.plan``, as ``kimi-linear-jax plan``) on the
+    release's shapes (bf16, fp32 KDA state), abstract: weights, activation estimate, latent per
+    token and state per slot per device, and the pages, tokens and sequences that fit on 80 GB
+    and 141 GB devices at 0.9 of their memory and max_model_len 131,072.
+    """
     rows = []
     for name, gb, tp, dcp, k in SETUPS:
         p = plan_memory(
-            cfg,
+            preset(RELEASE),
             device_memory=int(gb * GB),
             tensor_parallel_size=tp,
             dcp_size=dcp,
@@ -101,12 +83,14 @@ def memory_rows() -> list[dict]:
                 reason=p.reason or "",
             )
         )
-    return rows
+    base = next(r for r in rows if r["setup"] == "8 x 80 GB" and r["dcp"] == 1)
+    add_ratio(rows, "tokens_M", base, "tokens_vs_tp8")
+    title = f"release shapes, budget {UTILIZATION} of memory, max_model_len {CONTEXT:,}"
+    columns = [c for c in rows[0] if c != "reason"] + ["tokens_vs_tp8"]
+    return Table(title, rows, columns)
 
 
-# ---- collectives -------------------------------------------------------------------------------
-
-
+# ---- collectives ------------------------------------------------------------------------------
 def _ring(kind: str, nbytes: float, g: int) -> float:
     """Bytes one device sends for a collective over g devices (ring algorithms); nbytes is the
     per-device input for all-gather / all-to-all, the full array for the reductions."""
@@ -190,26 +174,28 @@ def _group_size(groups: str) -> int:
     return len(first.group(1).split(",")) if first else 1
 
 
-SMALL = preset("tiny-tp8")
-
-
-def _decode_setup(config, tp, dcp, combine, B, page=16, ctx=256):
-    par = make_parallel(config, tp, dcp, combine=combine)
-    model = shard_model(random_model(config, seed=0), par)
+def _decode_setup(tp, dcp, combine, B, page=16, ctx=256):
+    par = make_parallel(SMALL, tp, dcp, combine=combine)
+    model = shard_model(random_model(SMALL, seed=0), par)
     tokens = page * dcp
     n = -(-ctx // tokens) + 1
     cache = init_cache(
-        config, par, num_slots=B + 1, num_pages=B * n, page_size=tokens, dtype=jnp.float32
+        SMALL, par, num_slots=B + 1, num_pages=B * n, page_size=tokens, dtype=jnp.float32
     )
     lengths = np.ones(B, np.int32)
     batch = contiguous_batch(B, ctx, tokens, start=np.full(B, ctx - 8), lengths=lengths)
     graphdef, params = nnx.split(model)
-    ids = jnp.ones((B, 1), jnp.int32)
-    return graphdef, params, ids, cache, batch
+    return graphdef, params, jnp.ones((B, 1), jnp.int32), cache, batch
 
 
-def collective_rows(B: int = 8) -> list[dict]:
-    cfg = preset(RELEASE)
+@SUITE.measure("collectives", devices=8)
+def collectives(args) -> Table:
+    """Bytes each device sends per decode step: one MLA layer (query all-gather, DCP combine,
+    o_proj all-reduce) and one MoE layer at tp 8 / dcp 8 on the release's shapes, both
+    combines, from ring formulas; and the same formulas against the collectives XLA compiles
+    into a whole decode step of a small model on 8 emulated devices (hlo / formula).
+    """
+    B, cfg = args.batch, preset(RELEASE)
     rows = []
     for combine in ("ag_rs", "a2a"):
         mla = mla_layer_collectives(cfg, 8, 8, combine, B)
@@ -222,108 +208,48 @@ def collective_rows(B: int = 8) -> list[dict]:
                 total_KiB=mla["total"] / 1024,
             )
         )
-    rows.append(
-        dict(
-            what=f"release MoE layer, B={B}, tp 8",
-            all_reduce_KiB=moe_layer_collectives(cfg, 8, B) / 1024,
-            total_KiB=moe_layer_collectives(cfg, 8, B) / 1024,
-        )
-    )
-    # The formulas against what XLA compiles (f32 small model: activations are 4 bytes).
-    for tp, dcp, combine in ((8, 8, "ag_rs"), (8, 8, "a2a"), (4, 2, "ag_rs")):
-        args = _decode_setup(SMALL, tp, dcp, combine, B)
-        text = decode_step.lower(*args).compile().as_text()
+    moe = moe_layer_collectives(cfg, 8, B) / 1024
+    rows.append(dict(what=f"release MoE layer, B={B}, tp 8", all_reduce_KiB=moe, total_KiB=moe))
+    plans = ((8, 8, "ag_rs"),) if args.quick else ((8, 8, "ag_rs"), (8, 8, "a2a"), (4, 2, "ag_rs"))
+    for tp, dcp, combine in plans:
+        text = decode_step.lower(*_decode_setup(tp, dcp, combine, B)).compile().as_text()
         hlo, counts = hlo_collective_bytes(text)
         formula = step_collectives(SMALL, tp, dcp, combine, B, act=4)
         rows.append(
             dict(
-                what=f"small model step, tp {tp} dcp {dcp}, {combine}: formula vs HLO",
+                what=f"tiny-tp8 step, tp {tp} dcp {dcp}, {combine}",
                 total_KiB=formula / 1024,
                 hlo_KiB=hlo / 1024,
+                hlo_vs_formula=hlo / formula,
                 hlo_ops=" ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
             )
         )
-    return rows
+    columns = ["what", "q_gather_KiB", "combine_KiB", "all_reduce_KiB", "total_KiB", "hlo_KiB"]
+    return Table(
+        "bytes one device sends per decode step", rows, columns + ["hlo_vs_formula", "hlo_ops"]
+    )
 
 
-# ---- step time ---------------------------------------------------------------------------------
-
-
-def step_rows(B: int, repeats: int) -> list[dict]:
-    plans = [
-        (1, 1, "ag_rs"),
-        (4, 1, "ag_rs"),
-        (4, 4, "ag_rs"),
-        (4, 4, "a2a"),
-        (8, 8, "ag_rs"),
-        (8, 8, "a2a"),
-    ]
-    fns, donated = {}, {}
+# ---- step time --------------------------------------------------------------------------------
+@SUITE.measure("step", devices=8)
+def step(args) -> Table:
+    """Decode step time on emulated CPU devices (tiny-tp8, B = 8, context 256): tp 1 against
+    tp 4 and both combines at tp 4 / dcp 4 and tp 8 / dcp 8, interleaved. Eight emulated
+    devices share the cores: a record of overheads, not of GPU speed.
+    """
+    plans = [(1, 1, "ag_rs"), (4, 1, "ag_rs"), (4, 4, "ag_rs"), (4, 4, "a2a")]
+    plans += [(8, 8, "ag_rs"), (8, 8, "a2a")]
+    fns, caches = {}, {}
     for tp, dcp, combine in plans:
-        name = f"tp{tp}-dcp{dcp}-{combine}"
-        graphdef, params, ids, cache, batch = _decode_setup(SMALL, tp, dcp, combine, B)
-        donated[name] = cache
+        name = f"tp {tp}, dcp {dcp}, {combine}"
+        graphdef, params, ids, caches[name], batch = _decode_setup(tp, dcp, combine, args.batch)
 
         def run(name=name, graphdef=graphdef, params=params, ids=ids, batch=batch):
-            # The step donates its cache: keep the returned one for the next call.
-            logits, donated[name] = decode_step(graphdef, params, ids, donated[name], batch)
-            return logits
+            logits, caches[name] = decode_step(graphdef, params, ids, caches[name], batch)
+            return logits  # the step donates its cache: the next call takes the new one
 
         fns[name] = run
-    times = timeit_interleaved(fns, warmup=2, repeats=repeats)
-    base = times["tp1-dcp1-ag_rs"]["median_s"]
-    return [
-        dict(plan=k, B=B, step_ms=v["median_s"] * 1e3, vs_tp1=v["median_s"] / base)
-        for k, v in times.items()
-    ]
-
-
-def _kept_rows(rerun: set[str]) -> list[dict]:
-    path = os.path.join(RESULTS_DIR, "parallel.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in json.load(f)["rows"] if r.get("section") not in rerun]
-
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", choices=["memory", "collectives", "step"])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=20)
-    a = p.parse_args(argv)
-    sections = a.only or ["memory", "collectives", "step"]
-    out = {}
-    if "memory" in sections:
-        out["memory"] = memory_rows()
-        print(
-            f"Release shapes, bf16 (KDA state fp32), the planner's pools: budget = "
-            f"{UTILIZATION} x memory; max_model_len {CONTEXT}"
-        )
-        print_table(out["memory"], list(out["memory"][0]))
-        print()
-    if "collectives" in sections:
-        out["collectives"] = collective_rows(a.batch)
-        cols = [
-            "what",
-            "q_gather_KiB",
-            "combine_KiB",
-            "all_reduce_KiB",
-            "total_KiB",
-            "hlo_KiB",
-            "hlo_ops",
-        ]
-        print_table(out["collectives"], cols)
-        print()
-    if "step" in sections:
-        out["step"] = step_rows(a.batch, a.repeats)
-        print_table(out["step"], list(out["step"][0]))
-    rows = [dict(section=k, **r) for k, v in out.items() for r in v]
-    rows += _kept_rows(set(sections))  # --only keeps the other sections' last results
-    path = write_json("parallel", rows, {"batch": a.batch, "repeats": a.repeats})
-    print(f"\nwrote {path}")
-    return out
-
-
-if __name__ == "__main__":
-    main()
+    runs = interleaved(fns, warmup=2, repeats=repeats(args, 20, 3), keep=False)
+    rows = [dict(plan=k, B=args.batch, step_ms=r.median * 1e3) for k, r in runs.items()]
+    add_ratio(rows, "step_ms", rows[0], "vs_tp1")
+    return Table("decode step, median ms", rows, ["plan", "B", "step_ms", "vs_tp1"])

@@ -1,119 +1,232 @@
-"""Speculative decoding on the ``small`` preset (random weights, float32): decode tokens/s
-without speculation, with an oracle drafter at controlled acceptance, with n-gram and with a
-draft model, all in the same run and on the same engine shapes; plus the memory the verify step
-holds for per-step KDA states.
+"""Speculative decoding: n-gram, draft model and an oracle against plain decoding; a verify
+window's and a draft's price in plain steps; the verify's recurrent commit.
 
-Configurations (one ``LLM`` each, k = ``--k`` drafts per verify window):
+    python -m benchmarks speculative [--only oracle code window commit draft_cost] [--quick]
 
-- ``baseline``: plain decoding. Its greedy continuation of each prompt is the oracle's truth.
-- ``oracle A%``: ``OracleDrafter`` replaying that continuation with wrong tokens injected at
-  output positions chosen so that each verify window accepts on average A% of its k drafts.
-  Pattern ``window`` (default): window i accepts c_i = floor((i+1)*A*k) - floor(i*A*k) drafts
-  (the first window starts at output position 1, after the prefill's token), so a wrong token
-  sits at position s_i + c_i and the next window starts at s_i + c_i + 1: the realised
-  acceptance spec_accepted_tokens / spec_draft_tokens is A up to the last windows (cut short by
-  max_tokens). Pattern ``hash``: every position is wrong independently with probability 1 - A
-  (seeded hash); a wrong draft also discards the correct drafts after it, so the realised
-  acceptance is lower (about 59% for A = 80%, k = 4). ``--iid-rates`` (default 0.8) adds hash rows.
-- ``ngram``: prompt lookup on repetitive prompts (a short pattern repeated); compared with
-  ``baseline-rep``, plain decoding of the same prompts. Random weights do not continue the
-  pattern, so acceptance is low.
-- ``draft``: a random ``tiny`` draft model with the target's vocabulary, ordinary prompts.
-  Random weights: acceptance near 0 (meaningful only once a trained model exists).
-
-decode tok/s = B*(N-1) / (t(N new tokens) - t(1 new token)), i.e. prefill and the first token
-excluded; fastest of ``--repeats``; every configuration and batch is generated once first
-(compilation excluded). Calls alternate between configurations so machine noise hits all
-alike. Every speculative run's token ids are compared with the baseline's (reported, not
-asserted; "NO" is printed loudly). Acceptance and mean accepted length (tokens a row gains per
-verify: accepted drafts + the bonus token) come from ``LLM.metrics()`` deltas of the N-token run.
-
-Per decode step the time is split (N-token run minus 1-token run): ``device`` = the jitted
-decode / verify call (blocked on; the runner fetches its result right after anyway),
-``propose`` = the drafter's ``propose`` (blocked on), ``host`` = the rest of ``LLM.step``
-(scheduling, batch building, sample bookkeeping).
-
-Per-step state memory: a verify over B rows and window T = k + 1 holds, per KDA layer, the state
-after every window step, S [B, T, H, K, V] float32 and three conv windows [B, T, W-1, P]
-(model dtype), until the commit picks one; plain decode holds the same with T = 1. Computed
-from the configs for the benchmark preset and for ``kimi-linear-48b-a3b`` (bf16, config only);
-``--compiled-memory`` also reads XLA's temp bytes of the compiled verify and decode steps.
-
-Run from the repo root: ``python benchmarks/speculative.py [--batches 1,8] [--prompt-len 32]
-[--max-tokens 64] [--k 4] [--repeats 2] [--quick]``.
+Greedy, EOS ignored, float32; every speculative run's tokens are compared with plain decoding's
+("identical"). decode tok/s = rows (N - 1) / (t(N tokens) - t(1 token)) summed over the
+prompts, so prefill and the first token are left out; best of N, the engines taking turns.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import json
 import math
 import os
 import random
-import sys
+import statistics
+import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import print_table, serving_heap, timeit_interleaved, write_json  # noqa: E402
-from flax import nnx  # noqa: E402
-from throughput import weight_bytes_per_step  # noqa: E402
+import serving.runner as runner_mod
+import serving.speculative.draft_model as draft_mod
+import serving.speculative.steps as steps_mod
+from benchmarks.harness import Suite, Table, add_ratio, interleaved, ints, repeats
+from kimi_linear_jax import corpus, load_pretrained
+from kimi_linear_jax.cache import contiguous_batch, init_cache
+from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, BUILTIN_MODEL, save_pretrained
+from kimi_linear_jax.layers import linear
+from kimi_linear_jax.model import HashedGraph, KimiLinearForCausalLM, merge
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
+from serving.engine import LLM
+from serving.sampling import SamplingBatch, SamplingParams
+from serving.speculative.ngram_table import table_from_corpus
+from serving.speculative.oracle import OracleDrafter
+from serving.speculative.verify import COMMITS, verify_step
 
-import serving.runner as runner_mod  # noqa: E402
-import serving.speculative.steps as steps_mod  # noqa: E402
-from kimi_linear_jax.config import KimiLinearConfig  # noqa: E402
-from kimi_linear_jax.presets import preset  # noqa: E402
-from kimi_linear_jax.testing import random_model  # noqa: E402
-from serving.engine import LLM  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
-from serving.scheduler import Placement  # noqa: E402
-from serving.speculative.oracle import OracleDrafter  # noqa: E402
-from serving.state_pool import NULL_SLOT  # noqa: E402
+SUITE = Suite("speculative", __doc__)
+SUITE.option("--k", type=int, help="draft tokens per window (code: 8; oracle, draft_cost: 4)")
+SUITE.option("--max-tokens", type=int, help="new tokens per prompt (code: 128, oracle: 64)")
+SUITE.option("--prompts", type=int, help="code: held-out prompts (6)")
+SUITE.option("--batch", type=int, default=1, help="code: prompts decoded together")
+SUITE.option("--batches", help="oracle: batch sizes (1,8)")
+SUITE.option("--rates", default="1,0.8,0.5,0", help="oracle: acceptance rates")
+SUITE.option("--min-acceptance", type=float, help="code: speculative min_acceptance")
+SUITE.option("--draft-model", help="code: a draft checkpoint instead of the built-in one")
+SUITE.option("--lookup-k", type=int, help="code, lookup first: lookup drafts (8)")
+SUITE.option("--lookup-model-k", type=int, help="code, lookup first: model drafts (2)")
+SUITE.option("--corpus", default="stdlib", help="code, ngram+corpus: corpus ('' drops it)")
+SUITE.option("--corpus-k", type=int, default=2, help="code, ngram+corpus: corpus drafts")
+SUITE.option("--no-draft", action="store_true", help="code: leave the draft-model rows out")
 
-COLUMNS = [
-    "config",
-    "B",
-    "decode_tok_s",
-    "vs_baseline",
-    "acceptance",
-    "mean_acc_len",
-    "identical",
-]
-STEP_COLUMNS = [
-    "config",
-    "B",
-    "decode_steps",
-    "ms_per_step",
-    "device_ms",
-    "propose_ms",
-    "host_ms",
-    "outside_step_ms",
-    "ms_per_token",
-]
-WEIGHT_COLUMNS = [
-    "B",
-    "decode_weight_MB",
-    "verify_weight_MB",
-    "verify/decode",
-    "experts_d",
-    "experts_v",
-]
-STATE_COLUMNS = ["model", "B", "T", "S_MiB", "conv_MiB", "total_MiB", "plain_T1_MiB", "extra_MiB"]
-PATTERN_PERIOD = 4  # tokens in the repeated pattern of the n-gram prompts
-MiB = 2**20
+COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "steps")
 
 
-# ---- oracle error patterns ----------------------------------------------------------------------
+# ---- shared: held-out prompts and timed generation --------------------------------------------
+def held_out_prompts(tokenizer, prompt_len: int, need: int, limit: int) -> list[list[int]]:
+    """The first ``prompt_len`` ids of each held-out standard-library file of the built-in
+    model's ``data.json`` with at least ``need`` more, at most ``limit`` of them."""
+    split = json.load(open(os.path.join(BUILTIN_MODEL, "data.json")))
+    paths = (corpus.stdlib_dir() / name for name in split["held_out"])
+    ids = (tokenizer.encode(p.read_text(encoding="utf-8")) for p in paths if p.is_file())
+    return [x[:prompt_len] for x in ids if len(x) >= prompt_len + need][:limit]
+
+
+class CallTimer:
+    """Seconds inside the wrapped compiled calls (each blocked on), by key."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, attr: str, key: str) -> None:
+        real = getattr(owner, attr)
+        self.totals.setdefault(key, 0.0)
+
+        @functools.wraps(real)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(real(*a, **kw))
+            self.totals[key] += time.perf_counter() - t0
+            return out
+
+        self._saved.append((owner, attr, real))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, real in reversed(self._saved):
+            setattr(owner, attr, real)
+        self._saved.clear()
+
+
+def generate_run(llm: LLM, prompt, n: int, timer: CallTimer | None = None) -> dict:
+    """One ``generate`` of n tokens for a prompt (a list of ids) or a batch (a list of them):
+    wall time, tokens, and the deltas of the engine's counters and of ``timer``."""
+    batch = isinstance(prompt[0], list)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0)
+    before, timed = llm.metrics(), dict(timer.totals) if timer else {}
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt if batch else [prompt], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.metrics()
+    tokens = [o.token_ids for o in outs]
+    out = {"wall": wall, "tokens": tokens if batch else tokens[0]}
+    out.update({k: after.get(k, 0) - before.get(k, 0) for k in (*COUNTERS, "step_seconds")})
+    out.update({k: timer.totals[k] - timed[k] for k in timed})
+    return out
+
+
+def decode_rates(
+    engines: dict[str, LLM], prompts: list, n: int, rounds: int, timer: CallTimer | None = None
+) -> dict[str, dict]:
+    """Per engine: decode tok/s over the prompts (the fastest 1- and n-token runs of each, the
+    engines taking turns prompt by prompt, one untimed round first), the n-token runs' tokens
+    and counters summed, and ``delta``: each counter of the n-token runs less the 1-token ones."""
+    fns = {
+        (name, i, m): functools.partial(generate_run, llm, p, m, timer)
+        for i, p in enumerate(prompts)
+        for name, llm in engines.items()
+        for m in (1, n)
+    }
+    runs = interleaved(fns, warmup=1, repeats=rounds)
+    rows = sum(len(p) if isinstance(p[0], list) else 1 for p in prompts)
+    out = {}
+    for name in engines:
+        first = [runs[(name, i, 1)].best_result for i in range(len(prompts))]
+        last = [runs[(name, i, n)].best_result for i in range(len(prompts))]
+        keys = [k for k in last[0] if k != "tokens"]
+        rec = {k: sum(r[k] for r in last) for k in keys}
+        rec["delta"] = {k: rec[k] - sum(r[k] for r in first) for k in keys}
+        rec["decode_tok_s"] = rows * (n - 1) / rec["delta"]["wall"]
+        rec["tokens"] = [r["tokens"] for r in last]
+        rec["rows"], rec["new_tokens"] = rows, rows * n
+        out[name] = rec
+    return out
+
+
+def acceptance_columns(rec: dict) -> dict:
+    """Acceptance (accepted / proposed drafts) and mean accepted length (tokens a row gains per
+    verify: accepted drafts + the bonus token) over the n-token runs."""
+    drafts, verifies = rec["spec_draft_tokens"], rec["spec_verify_steps"]
+    accepted = rec["spec_accepted_tokens"]
+    return {
+        "acceptance": accepted / drafts if drafts else float("nan"),
+        "mean_acc_len": (accepted + verifies) / verifies if verifies else 1.0,
+        "calls_per_token": rec["steps"] / rec["new_tokens"],
+    }
+
+
+# ---- code continuation with the built-in models -----------------------------------------------
+@SUITE.measure("code")
+def code(args) -> Table:
+    """Code continuation with the built-in models: plain, plain with async scheduling, n-gram
+    (with and without draftless runs), n-gram with the corpus table, draft model, draft model
+    with lookup first.
+
+    Prompts: the first 128 tokens of held-out standard-library files (the built-in model's
+    ``data.json``), batch 1 by default (``--batch B``: groups of B prompts decoded together).
+    speedup against plain decoding, vs_async against plain decoding with async scheduling.
+    """
+    quick = args.quick
+    k = args.k or (2 if quick else 8)
+    n = args.max_tokens or (16 if quick else 128)
+    count = args.prompts or (1 if quick else 6)
+    rounds = repeats(args, 3, 1)
+    lookup_k = args.lookup_k or (2 if quick else 8)
+    lookup_model_k = args.lookup_model_k or (1 if quick else 2)
+    b = args.batch
+    shapes = dict(max_num_seqs=b, num_pages=64 * b, dtype="float32")
+    knobs = {"num_draft_tokens": k}
+    if args.min_acceptance is not None:
+        knobs["min_acceptance"] = args.min_acceptance
+    ngram = {"method": "ngram", **knobs}
+    engines = {
+        "plain": LLM(**shapes),
+        "plain async": LLM(async_scheduling=True, **shapes),
+        "ngram": LLM(speculative=ngram, **shapes),
+        "ngram, stepwise": LLM(speculative=ngram, **shapes),
+    }
+    engines["ngram, stepwise"].runner.draftless_runs = False  # each draftless step its own call
+    k_of = {"plain": 0, "plain async": 0}
+    if args.corpus:  # built once and shared: tokenizing the standard library takes seconds
+        table = table_from_corpus(args.corpus, engines["plain"].tokenizer)
+        spec = {**ngram, "corpus": table, "corpus_num_tokens": args.corpus_k}
+        engines["ngram+corpus"] = LLM(speculative=spec, **shapes)
+        k_of["ngram+corpus"] = f"{k} / {args.corpus_k}"
+    if not args.no_draft:
+        draft = {"model": args.draft_model} if args.draft_model else {}
+        engines["draft"] = LLM(speculative={**knobs, "method": "draft_model", **draft}, **shapes)
+        hybrid = {**knobs, "method": "draft_model", **draft}
+        hybrid.update(num_draft_tokens=lookup_model_k, prompt_lookup_num_tokens=lookup_k)
+        engines["draft, lookup first"] = LLM(speculative=hybrid, **shapes)
+        k_of["draft, lookup first"] = f"{lookup_model_k} / {lookup_k}"
+    prompts = held_out_prompts(engines["plain"].tokenizer, 128, n, count)
+    if b > 1:  # whole groups only
+        prompts = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]
+    rates = decode_rates(engines, prompts, n, rounds)
+    rows = []
+    for name, rec in rates.items():
+        row = {"config": name, "k": k_of.get(name, k), "decode_tok_s": rec["decode_tok_s"]}
+        row.update(acceptance_columns(rec))
+        row["identical"] = rec["tokens"] == rates["plain"]["tokens"]
+        rows.append(row)
+    add_ratio(rows, "decode_tok_s", rows[0], "speedup")
+    add_ratio(rows, "decode_tok_s", rows[1], "vs_async")
+    columns = ["config", "k", "decode_tok_s", "speedup", "vs_async", "acceptance"]
+    columns += ["mean_acc_len", "calls_per_token", "identical"]
+    title = (
+        f"code continuation, {rates['plain']['rows']} held-out prompts of 128 tokens, B = {b}, "
+        f"{n} new tokens, best of {rounds}"
+    )
+    meta = {"k": k, "B": b, "max_tokens": n, "draft_model": args.draft_model or "built-in"}
+    meta.update(min_acceptance=args.min_acceptance, corpus=args.corpus or "off")
+    return Table(title, rows, columns, meta)
+
+
+# ---- the oracle at controlled acceptance ------------------------------------------------------
 def window_wrong_positions(rate: float, k: int, horizon: int, first: int = 1) -> frozenset[int]:
-    """Output positions to make wrong so that verify window i accepts c_i drafts, with
-    c_i = floor((i+1)*rate*k) - floor(i*rate*k) (mean rate*k; each in {floor, ceil} of it).
-    Window i starts at s_i (s_0 = ``first``: the prefill emits position 0); its wrong draft sits
-    at s_i + c_i (none when c_i = k) and the next window starts at s_i + c_i + 1."""
-    target = rate * k
-    wrong, s, i = set(), first, 0
+    """Output positions to make wrong so that verify window i accepts
+    c_i = floor((i+1) rate k) - floor(i rate k) of its k drafts (mean rate * k). Window i
+    starts at s_i (s_0 = ``first``: the prefill emits position 0), its wrong draft sits at
+    s_i + c_i (none when c_i = k), and the next window starts at s_i + c_i + 1."""
+    target, wrong, s, i = rate * k, set(), first, 0
     while s < horizon:
         c = math.floor((i + 1) * target + 1e-9) - math.floor(i * target + 1e-9)
         if c < k:
@@ -122,425 +235,371 @@ def window_wrong_positions(rate: float, k: int, horizon: int, first: int = 1) ->
     return frozenset(wrong)
 
 
-def hash_wrong(rate: float, seed: int):
-    """Every position wrong independently with probability 1 - rate (seeded, deterministic)."""
-
-    def wrong(position: int) -> bool:
-        return random.Random(seed * 1_000_003 + position).random() >= rate
-
-    return wrong
+def hash_wrong(rate: float, seed: int = 0):
+    """Every position wrong independently with probability 1 - rate (seeded)."""
+    return lambda position: random.Random(seed * 1_000_003 + position).random() >= rate
 
 
-# ---- per-step state memory ----------------------------------------------------------------------
-def per_step_state_bytes(config: KimiLinearConfig, b: int, t: int, itemsize: int) -> dict:
-    """Bytes of the per-step KDA states a window pass over [B, T] holds until its commit:
-    per KDA layer S [B, T, H, K, V] float32 and three conv windows [B, T, W-1, P] (itemsize)."""
-    layers = len(config.kda_layer_ids)
-    h, d = config.linear_num_heads, config.linear_head_dim
-    s = layers * b * t * h * d * d * 4
-    conv = layers * 3 * b * t * (config.short_conv_kernel_size - 1) * config.kda_dim * itemsize
-    return {"S_bytes": s, "conv_bytes": conv, "total_bytes": s + conv}
+@SUITE.measure("oracle")
+def oracle(args) -> list[Table]:
+    """An oracle drafter at controlled acceptance, the n-gram and a draft model against plain
+    decoding, on the ``small`` preset with random weights, and where a step's time goes.
 
-
-def state_memory_rows(models: dict, batches: list[int], k: int) -> list[dict]:
-    rows = []
-    for name, (config, itemsize) in models.items():
-        for b in batches:
-            win = per_step_state_bytes(config, b, k + 1, itemsize)
-            plain = per_step_state_bytes(config, b, 1, itemsize)
-            rows.append(
-                {
-                    "model": name,
-                    "B": b,
-                    "T": k + 1,
-                    "conv_itemsize": itemsize,
-                    **win,
-                    "plain_T1_bytes": plain["total_bytes"],
-                    "S_MiB": win["S_bytes"] / MiB,
-                    "conv_MiB": win["conv_bytes"] / MiB,
-                    "total_MiB": win["total_bytes"] / MiB,
-                    "plain_T1_MiB": plain["total_bytes"] / MiB,
-                    "extra_MiB": (win["total_bytes"] - plain["total_bytes"]) / MiB,
-                }
-            )
-    return rows
-
-
-def weight_rows(model, batches: list[int], k: int) -> list[dict]:
-    """Weight bytes a step must read at least (``throughput.weight_bytes_per_step``: dense
-    weights once, only the routed experts the step's tokens are expected to touch): plain decode
-    runs B tokens, a verify B * (k + 1). The CPU MoE path reads only routed experts, so a wider
-    window reads more expert weights."""
-    rows = []
-    for b in batches:
-        d = weight_bytes_per_step(model, b)
-        v = weight_bytes_per_step(model, b * (k + 1))
-        rows.append(
-            {
-                "B": b,
-                "decode_weight_MB": d["weight_bytes_per_step"] / 1e6,
-                "verify_weight_MB": v["weight_bytes_per_step"] / 1e6,
-                "verify/decode": v["weight_bytes_per_step"] / d["weight_bytes_per_step"],
-                "experts_d": d["expected_distinct_experts"],
-                "experts_v": v["expected_distinct_experts"],
-            }
-        )
-    return rows
-
-
-def compiled_memory(llm: LLM, b: int, k: int, verify_fn, decode_fn) -> dict:
-    """XLA's memory analysis of the compiled verify step (window k + 1) and the plain decode
-    step at batch b, with the runner's own parameters, cache and padded batch shapes."""
-    r = llm.runner
-    _, batch = r._batch([Placement(NULL_SLOT, (), 0, 0)] * b)
-    sampling, counts, mask = r._sampling_inputs([None] * b, b, "greedy")
-    zeros = jnp.zeros(b, jnp.int32)
-    verify = verify_fn.lower(
-        r.graphdef,
-        r.params,
-        zeros,
-        jnp.zeros((b, k), jnp.int32),
-        jnp.full(b, k, jnp.int32),
-        r.cache,
-        batch,
-        sampling,
-        counts,
-        mask,
-        zeros - 1,
-        zeros - 1,
-        mode="greedy",
-        commit_recurrent=r.commit_recurrent,
-    )
-    decode = decode_fn.lower(
-        r.graphdef,
-        r.params,
-        zeros,
-        r.cache,
-        batch,
-        jnp.ones(b, jnp.int32),
-        sampling,
-        counts,
-        mask,
-        num_steps=1,
-        mode="greedy",
-    )
-    out = {"B": b}
-    for name, lowered in (("verify", verify), ("decode", decode)):
-        m = lowered.compile().memory_analysis()
-        for field in ("temp", "argument", "output", "alias"):
-            out[f"{name}_{field}_bytes"] = int(getattr(m, f"{field}_size_in_bytes", -1))
-    out["verify_temp_MiB"] = out["verify_temp_bytes"] / MiB
-    out["decode_temp_MiB"] = out["decode_temp_bytes"] / MiB
-    return out
-
-
-# ---- step timing --------------------------------------------------------------------------------
-class StepTimer:
-    """Accumulates wall time inside wrapped calls (each result blocked on), by key."""
-
-    def __init__(self) -> None:
-        self.totals = {"device": 0.0, "propose": 0.0}
-
-    def wrap(self, fn, key: str):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kwargs))
-            self.totals[key] += time.perf_counter() - t0
-            return out
-
-        return timed
-
-
-# ---- runs ---------------------------------------------------------------------------------------
-def run_once(llm: LLM, prompts: list[list[int]], n: int, timer: StepTimer) -> dict:
-    """One generate of n new tokens; returns wall time, token ids and the counter deltas."""
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0)
-    before, timed_before = llm.metrics(), dict(timer.totals)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    after = llm.metrics()
-    delta = {
-        key: after[key] - before[key]
-        for key in after
-        if key.startswith("spec_") or key in ("steps", "step_seconds", "generation_tokens")
-    }
-    delta.update({key: timer.totals[key] - timed_before[key] for key in timer.totals})
-    return {"wall": wall, "tokens": [o.token_ids for o in outs], **delta}
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", help="target preset (random weights, float32)")
-    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per row (N)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per verify window")
-    p.add_argument("--rates", default="1,0.8,0.5,0", help="oracle acceptance rates")
-    p.add_argument(
-        "--pattern", choices=("window", "hash"), default="window", help="oracle error pattern"
-    )
-    p.add_argument(
-        "--iid-rates", default="0.8", help="extra oracle rows with the hash pattern, e.g. 0.8"
-    )
-    p.add_argument("--repeats", type=int, default=2, help="timed calls per config and batch")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compiled-memory",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also compile verify/decode once more per batch for XLA's memory analysis",
-    )
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny preset, prompt 16, N 12")
-    a = p.parse_args(argv)
-    serving_heap()  # as `kimi-linear-jax generate` / `serve` run
-    if a.quick:
-        a.preset, a.prompt_len, a.max_tokens = "tiny", 16, 12
-    batches = sorted({int(x) for x in a.batches.split(",") if x.strip()})
-    rates = [float(x) for x in a.rates.split(",") if x.strip()]
-    iid_rates = [float(x) for x in a.iid_rates.split(",") if x.strip()]
-    n, k = a.max_tokens, a.k
-    if n < 2:
-        p.error("--max-tokens must be >= 2 (decode = N-token minus 1-token time)")
-    t_start = time.perf_counter()
-
-    config = preset(a.preset)
-    model = random_model(config, seed=a.seed, dtype=jnp.float32)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    draft_config = preset("tiny", vocab_size=config.vocab_size)
-    draft = random_model(draft_config, seed=a.seed + 7, dtype=jnp.float32)
-    print(
-        f"{a.preset} preset: {n_params / 1e6:.1f}M parameters; draft: tiny with vocab "
-        f"{config.vocab_size}; k = {k}; N = {n}; prompt {a.prompt_len}",
-        flush=True,
-    )
-
-    # Time the jitted decode / verify calls (module globals of their callers) for the step split.
-    timer = StepTimer()
-    verify_fn, decode_fn = steps_mod.verify_step, runner_mod.decode_steps
-    steps_mod.verify_step = timer.wrap(verify_fn, "device")
-    runner_mod.decode_steps = timer.wrap(decode_fn, "device")
-
-    top = max(batches)
-    page_size = 16
+    The oracle replays plain decoding's continuation with wrong tokens placed so that each
+    window accepts A% of its k drafts ("iid": each draft wrong with probability 1 - A, which
+    also discards the drafts after it). The n-gram runs on prompts of a 4-token pattern
+    repeated, against plain decoding of the same prompts (random weights do not continue the
+    pattern). The draft is a random ``tiny`` model. Per decode step: device (the compiled
+    decode / verify calls), propose (the drafter), host (the rest of ``LLM.step``).
+    """
+    quick = args.quick
+    name = "tiny" if quick else "small"
+    prompt_len, n = (16, 24) if quick else (32, args.max_tokens or 64)
+    k = args.k or 4
+    batches = ints(args.batches or ("1" if quick else "1,8"))
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    rounds = repeats(args, 2, 1)
+    config = preset(name)
+    model = random_model(config, seed=0, dtype=jnp.float32)
+    draft = random_model(preset("tiny", vocab_size=config.vocab_size), seed=7)
+    top, page = max(batches), 16
     shapes = dict(
         dtype="float32",
         max_num_seqs=top,
-        page_size=page_size,
-        num_pages=top * math.ceil((a.prompt_len + n) / page_size) + 2,
-        max_num_batched_tokens=top * a.prompt_len,
-        max_model_len=a.prompt_len + n,
-        chunk_size=a.prompt_len,
+        page_size=page,
+        num_pages=top * math.ceil((prompt_len + n) / page) + 2,
+        max_num_batched_tokens=top * prompt_len,
+        max_model_len=prompt_len + n,
+        chunk_size=prompt_len,
         batch_buckets=tuple(batches),
-        token_buckets=(a.prompt_len,),
-        # Timed runs repeat the warm-up's prompts: a prefix-cache hit would change (and
-        # compile) what is timed. Prefix caching has its own benchmark (prefix_cache.py).
-        enable_prefix_caching=False,
+        token_buckets=(prompt_len,),
+        enable_prefix_caching=False,  # timed runs repeat prompts
     )
-    spec = {"num_draft_tokens": k}
-
-    rng = np.random.default_rng(a.seed)
-    ordinary = {b: rng.integers(0, config.vocab_size, (b, a.prompt_len)).tolist() for b in batches}
-    repetitive = {}
-    for b in batches:
-        patterns = rng.integers(0, config.vocab_size, (b, PATTERN_PERIOD))
-        reps = -(-a.prompt_len // PATTERN_PERIOD)
-        repetitive[b] = [np.tile(row, reps)[: a.prompt_len].tolist() for row in patterns]
-
+    rng, vocab = np.random.default_rng(0), config.vocab_size
+    ordinary = {b: rng.integers(0, vocab, (b, prompt_len)).tolist() for b in batches}
+    repetitive = {
+        b: [np.tile(p, prompt_len)[:prompt_len].tolist() for p in rng.integers(0, vocab, (b, 4))]
+        for b in batches
+    }
+    timer = CallTimer()
+    timer.wrap(runner_mod, "decode_steps", "device")
+    timer.wrap(steps_mod, "verify_step", "device")
+    timer.wrap(steps_mod, "decode_until_recurs", "device")
     try:
-        # Baseline first: its warm-up runs give the oracle's truth.
         baseline = LLM(model, **shapes)
-        truth, truth_rep = {}, {}
+        truth = {}
         for b in batches:
-            t0 = time.perf_counter()
-            truth[b] = run_once(baseline, ordinary[b], n, timer)["tokens"]
-            truth_rep[b] = run_once(baseline, repetitive[b], n, timer)["tokens"]
-            print(f"baseline warm-up B={b}: {time.perf_counter() - t0:.1f} s", flush=True)
-        continuations = {
-            tuple(prompt): tokens
-            for b in batches
-            for prompt, tokens in zip(ordinary[b], truth[b], strict=True)
-        }
-
-        # name -> (engine, prompts per batch, reference per batch, baseline name)
-        configs = {
-            "baseline": (baseline, ordinary, truth, "baseline"),
-            "baseline-rep": (baseline, repetitive, truth_rep, "baseline-rep"),
-        }
-        oracles = [(r, a.pattern) for r in rates] + [(r, "hash") for r in iid_rates]
-        for rate, pattern in oracles:
-            if pattern == "window":
-                positions = window_wrong_positions(rate, k, n + k + 1)
-                wrong = positions.__contains__
-            else:
-                wrong = hash_wrong(rate, a.seed)
-            drafter = OracleDrafter(continuations, config.vocab_size, wrong)
-            name = f"oracle {rate:.0%}" + (" iid" if pattern == "hash" else "")
-            llm = LLM(model, speculative={"method": "ngram", **spec}, drafter=drafter, **shapes)
-            configs[name] = (llm, ordinary, truth, "baseline")
-        ngram = LLM(model, speculative={"method": "ngram", **spec}, **shapes)
-        configs["ngram"] = (ngram, repetitive, truth_rep, "baseline-rep")
-        drafted = LLM(
-            model, speculative={"method": "draft_model", "model": draft, **spec}, **shapes
-        )
-        configs["draft"] = (drafted, ordinary, truth, "baseline")
-        for llm, *_ in configs.values():
+            for prompt, tokens in zip(
+                ordinary[b], generate_run(baseline, ordinary[b], n)["tokens"]
+            ):
+                truth[tuple(prompt)] = tokens
+        spec = {"method": "ngram", "num_draft_tokens": k}
+        group = {"baseline": baseline}
+        for rate, iid in [(r, False) for r in rates] + [(0.8, True)]:
+            wrong = (
+                hash_wrong(rate) if iid else window_wrong_positions(rate, k, n + k + 1).__contains__
+            )
+            drafter = OracleDrafter(truth, config.vocab_size, wrong)
+            label = f"oracle {rate:.0%}" + (" iid" if iid else "")
+            group[label] = LLM(model, speculative=spec, drafter=drafter, **shapes)
+        dspec = {"method": "draft_model", "model": draft, "num_draft_tokens": k}
+        group["draft model (random)"] = LLM(model, speculative=dspec, **shapes)
+        rep_group = {"baseline, repetitive": baseline}
+        rep_group["ngram, repetitive"] = LLM(model, speculative=spec, **shapes)
+        for llm in [*group.values(), *rep_group.values()]:
             if llm.runner.drafter is not None:
-                d = llm.runner.drafter
-                d.propose = timer.wrap(d.propose, "propose")
-
-        rows, compiled = [], []
+                timer.wrap(llm.runner.drafter, "propose", "propose")
+        rows = []
         for b in batches:
-            # Warm-up (compiles every shape the N-token run uses); the baseline is warm already.
-            for name, (llm, prompts, _, _) in configs.items():
-                if name.startswith("baseline"):
-                    continue
-                t0 = time.perf_counter()
-                run_once(llm, prompts[b], n, timer)
-                print(f"  warm-up {name} B={b}: {time.perf_counter() - t0:.1f} s", flush=True)
-            records: dict[str, list[dict]] = {}
-
-            def call(name, m, b=b, records=records):
-                llm, prompts, _, _ = configs[name]
-                records.setdefault(f"{name}/{m}", []).append(run_once(llm, prompts[b], m, timer))
-
-            fns = {
-                f"{name}/{m}": functools.partial(call, name, m) for name in configs for m in (1, n)
-            }
-            timeit_interleaved(fns, warmup=0, repeats=a.repeats)
-
-            batch_rows = {}
-            for name, (_, _, reference, base) in configs.items():
-                r1 = min(records[f"{name}/1"], key=lambda r: r["wall"])
-                rn = min(records[f"{name}/{n}"], key=lambda r: r["wall"])
-                dt = rn["wall"] - r1["wall"]
-                steps = rn["steps"] - r1["steps"]
-                identical = all(r["tokens"] == reference[b] for r in records[f"{name}/{n}"])
-                row = {
-                    "config": name,
-                    "B": b,
-                    "prompt_len": a.prompt_len,
-                    "max_tokens": n,
-                    "k": k if "baseline" not in name else 0,
-                    "t1_s": r1["wall"],
-                    "tn_s": rn["wall"],
-                    "decode_tok_s": b * (n - 1) / dt if dt > 0 else float("nan"),
-                    "identical": "yes" if identical else "NO",
-                    "decode_steps": steps,
-                    "ms_per_step": 1e3 * (rn["step_seconds"] - r1["step_seconds"]) / steps,
-                    "device_ms": 1e3 * (rn["device"] - r1["device"]) / steps,
-                    "propose_ms": 1e3 * (rn["propose"] - r1["propose"]) / steps,
-                    "outside_step_ms": 1e3
-                    * (dt - (rn["step_seconds"] - r1["step_seconds"]))
-                    / steps,
-                    "ms_per_token": 1e3 * dt / (b * (n - 1)),
-                }
-                row["host_ms"] = row["ms_per_step"] - row["device_ms"] - row["propose_ms"]
-                if "spec_draft_tokens" in rn:
-                    drafts = rn["spec_draft_tokens"]
-                    verifies = rn["spec_verify_steps"]
-                    row.update(
-                        spec_draft_tokens=drafts,
-                        spec_accepted_tokens=rn["spec_accepted_tokens"],
-                        spec_verify_rows=verifies,
-                        acceptance=rn["spec_accepted_tokens"] / drafts if drafts else 0.0,
-                        mean_acc_len=(rn["spec_accepted_tokens"] + verifies) / verifies
-                        if verifies
-                        else float("nan"),
-                    )
-                else:
-                    row.update(acceptance="-", mean_acc_len=1.0)
-                batch_rows[name] = (row, base)
-            for row, base in batch_rows.values():
-                row["vs_baseline"] = row["decode_tok_s"] / batch_rows[base][0]["decode_tok_s"]
-                rows.append(row)
-                if row["identical"] != "yes":
-                    print(f"!!! {row['config']} B={b}: token ids DIFFER from the baseline !!!")
-            if a.compiled_memory:
-                t0 = time.perf_counter()
-                try:
-                    compiled.append(compiled_memory(baseline, b, k, verify_fn, decode_fn))
-                except Exception as e:  # noqa: BLE001 - optional: report and go on
-                    compiled.append({"B": b, "error": f"{type(e).__name__}: {e}"[:300]})
-                print(f"  compiled memory B={b}: {time.perf_counter() - t0:.1f} s", flush=True)
-            print(f"done: B={b} ({time.perf_counter() - t_start:.0f} s so far)", flush=True)
+            for engines, prompts in ((group, ordinary), (rep_group, repetitive)):
+                got = decode_rates(engines, [prompts[b]], n, rounds, timer)
+                base = None
+                for label, rec in got.items():
+                    d = rec["delta"]
+                    steps = max(d["steps"], 1)
+                    row = {"config": label, "B": b, "decode_tok_s": rec["decode_tok_s"]}
+                    row.update(acceptance_columns(rec))
+                    row["identical"] = rec["tokens"] == next(iter(got.values()))["tokens"]
+                    row["ms_per_step"] = 1e3 * d["step_seconds"] / steps
+                    row["device_ms"] = 1e3 * d["device"] / steps
+                    row["propose_ms"] = 1e3 * d["propose"] / steps
+                    row["host_ms"] = row["ms_per_step"] - row["device_ms"] - row["propose_ms"]
+                    base = base or row
+                    add_ratio([row], "decode_tok_s", base, "vs_baseline")
+                    rows.append(row)
     finally:
-        steps_mod.verify_step, runner_mod.decode_steps = verify_fn, decode_fn
-
-    state_rows = state_memory_rows(
-        {
-            f"{a.preset} (f32)": (config, 4),
-            "kimi-linear-48b-a3b (bf16)": (preset("kimi-linear-48b-a3b"), 2),
-        },
-        sorted({1, 8, 32, *batches}),
-        k,
+        timer.restore()
+    columns = ["config", "B", "decode_tok_s", "vs_baseline", "acceptance", "mean_acc_len"]
+    columns += ["identical"]
+    steps = ["config", "B", "ms_per_step", "device_ms", "propose_ms", "host_ms"]
+    title = (
+        f"{name} preset, random weights, k = {k}, prompt {prompt_len}, N = {n}, best of {rounds}"
     )
+    meta = {"preset": name, "k": k, "max_tokens": n, "prompt_len": prompt_len}
+    return [
+        Table(title, rows, columns, meta),
+        Table("per decode step, ms (N-token runs less 1-token runs)", rows, steps),
+    ]
 
-    weights = weight_rows(model, batches, k)
 
-    print()
-    print_table(rows, COLUMNS)
-    print("\nper decode step (N-token run minus 1-token run):")
-    print_table(rows, STEP_COLUMNS)
-    print(
-        f"\nper-step KDA states a gather-commit verify holds (T = k + 1 = {k + 1}) vs plain "
-        "decode (T = 1); the default replay commit keeps 29x less (verify_commit.py):"
+# ---- the verify window's price ----------------------------------------------------------------
+WIDTHS = (2, 3, 5, 9)
+
+
+@SUITE.measure("window")
+def window(args) -> Table:
+    """A verify window's price in plain decode steps by width, on the built-in model at batch 1,
+    with ``Linear``'s products of a few rows one row at a time (``ROW_PRODUCTS_UP_TO``, the
+    default) and as one product.
+
+    An n-gram engine (k = 8, always drafting, draftless steps one call each) continues a
+    held-out prompt; its last decode call and last full-width verify call are captured, and
+    each (decode; windows of 2, 3, 5, 9 tokens) is timed until ready, the cache fed back. The
+    two settings take turns by round (each recompiles); per call the median.
+    """
+    rounds, calls = (1, 3) if args.quick else (repeats(args, 4), 25)
+    spec = {"method": "ngram", "num_draft_tokens": max(WIDTHS) - 1, "min_acceptance": 0.0}
+    llm = LLM(speculative=spec, max_num_seqs=1, num_pages=64, dtype="float32")
+    llm.runner.draftless_runs = False  # so that a plain `decode_steps` call is made
+    (prompt,) = held_out_prompts(llm.tokenizer, 128, 128, 1)
+    captured, real_v, real_d = {}, steps_mod.verify_step, runner_mod.decode_steps
+
+    def verify(*a, **kw):
+        if a[3].shape[1] == max(WIDTHS) - 1:
+            captured["verify"] = (a, kw)
+        return real_v(*a, **kw)
+
+    def decode(*a, **kw):
+        captured["decode"] = (a, kw)
+        return real_d(*a, **kw)
+
+    steps_mod.verify_step, runner_mod.decode_steps = verify, decode
+    try:
+        generate_run(llm, prompt, 128)
+    finally:
+        steps_mod.verify_step, runner_mod.decode_steps = real_v, real_d
+    (va, vk), (da, dk) = captured["verify"], captured["decode"]
+    todo = {"decode": (real_d, list(da), dk, 3)}
+    for w in WIDTHS:
+        a = list(va)
+        a[3], a[4] = np.asarray(va[3])[:, : w - 1], np.minimum(np.asarray(va[4]), w - 1)
+        todo[f"window {w}"] = (real_v, a, vk, 5)
+    cache = [llm.runner.cache]
+
+    def once(fn, a, kw, at) -> float:
+        a = list(a)
+        a[at] = cache[0]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*a, **kw))
+        cache[0] = out[-1]
+        return time.perf_counter() - t0
+
+    settings = {"one product": 0, "rows": linear.ROW_PRODUCTS_UP_TO}
+    times = {(name, s): [] for name in todo for s in settings}
+    try:
+        for _ in range(rounds):
+            for s, limit in settings.items():
+                linear.ROW_PRODUCTS_UP_TO = limit
+                jax.clear_caches()
+                for call in todo.values():
+                    for _ in range(3):  # compile, warm
+                        once(*call)
+                for _ in range(calls):
+                    for name, call in todo.items():
+                        times[(name, s)].append(once(*call))
+    finally:
+        linear.ROW_PRODUCTS_UP_TO = settings["rows"]
+    med = {key: statistics.median(v) for key, v in times.items()}
+    rows = []
+    for name in todo:
+        one, by_row = med[(name, "one product")], med[(name, "rows")]
+        rows.append(
+            {
+                "call": name,
+                "rows_ms": 1e3 * by_row,
+                "rows_steps": by_row / med[("decode", "rows")],
+                "one_product_ms": 1e3 * one,
+                "one_product_steps": one / med[("decode", "one product")],
+                "rows_vs_one": by_row / one,
+            }
+        )
+    title = f"built-in model, B = 1; steps = the call over a plain decode step; {rounds} x {calls}"
+    meta = {"row_products_up_to": settings["rows"], "rounds": rounds, "calls": calls}
+    return Table(title, rows, list(rows[0]), meta)
+
+
+# ---- the verify's recurrent commit ------------------------------------------------------------
+MIB = 2**20
+
+
+def kept_bytes(config, batch: int, t: int, keep: str) -> int:
+    """Bytes of what ``model.verify(keep=...)`` keeps for the commit, abstractly (bf16)."""
+    dtype = jnp.bfloat16
+    model = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(
+        functools.partial(
+            init_cache, config, num_slots=batch + 1, num_pages=batch + 1, page_size=64, dtype=dtype
+        )
     )
-    print_table(state_rows, STATE_COLUMNS)
-    print("\nminimum weight bytes per step (expected distinct routed experts per MoE layer):")
-    print_table(weights, WEIGHT_COLUMNS)
-    if compiled:
-        print("\nXLA memory analysis (temp bytes) of the compiled steps:")
-        print_table(compiled, ["B", "verify_temp_MiB", "decode_temp_MiB", "error"])
-    print()
+    b = contiguous_batch(batch, 64, 64, lengths=np.full(batch, t))
+    ids = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+    kept = jax.eval_shape(
+        lambda state, ids, cache: merge(graphdef, state).verify(ids, cache, b, keep=keep)[2],
+        state,
+        ids,
+        cache,
+    )
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kept))
+
+
+@SUITE.measure("commit")
+def commit(args) -> list[Table]:
+    """The verify's recurrent commit: replay (keep each step's inputs, re-run the accepted
+    steps) against gather (keep each step's state, pick one), k = 4.
+
+    Memory at the release's shapes (``kimi-linear-48b-a3b``, bf16, fp32 state) from the
+    abstract model, beside a plain decode step's; and ``verify_step`` with each commit on the
+    ``small`` shapes (f32, 64 cached tokens) here, best of N taking turns, with XLA's temp
+    bytes of each compiled step.
+    """
+    k = args.k or 4
+    batches = [1] if args.quick else [1, 8, 32]
+    release = preset("kimi-linear-48b-a3b")
+    memory = []
     for b in batches:
-        by = {r["config"]: r for r in rows if r["B"] == b}
-        for name, goal, ok in (
-            ("oracle 80%", ">= 2x", lambda x: x >= 2.0),
-            ("oracle 0%", ">= 0.9x", lambda x: x >= 0.9),  # issue 13's goals
-        ):
-            if name in by:
-                x = by[name]["vs_baseline"]
-                verdict = "met" if ok(x) else "MISSED"
-                print(f"goal B={b} {name}: {x:.2f}x vs baseline ({goal}): {verdict}")
-    wall = time.perf_counter() - t_start
-    path = write_json(
-        "speculative",
-        rows,
-        {
-            "preset": a.preset,
-            "n_params": n_params,
-            "dtype": "float32",
-            "draft_preset": "tiny",
-            "prompt_len": a.prompt_len,
-            "max_tokens": n,
-            "k": k,
-            "batches": batches,
-            "rates": rates,
-            "pattern": a.pattern,
-            "iid_rates": iid_rates,
-            "repeats": a.repeats,
-            "quick": a.quick,
-            "engine_shapes": {key: v for key, v in shapes.items()},
-            "per_step_state_memory": state_rows,
-            "compiled_memory": compiled,
-            "weight_bytes_per_step": weights,
-            "wall_s": wall,
-            "note": (
-                "decode tok/s = B*(N-1) / (t(N new tokens) - t(1 new token)), fastest of "
-                "`repeats`, compile excluded, greedy, ignore_eos; acceptance = "
-                "spec_accepted_tokens / spec_draft_tokens and mean_acc_len = (accepted + "
-                "verify rows) / verify rows over the N-token run; ngram is compared with "
-                "baseline-rep (same repetitive prompts), the others with baseline; per-step "
-                "split: device = jitted decode/verify call, propose = drafter, host = rest of "
-                "LLM.step; per-step state bytes: per KDA layer B*T*H*K*V*4 + 3*B*T*(W-1)*P*itemsize"
-            ),
-        },
-    )
-    print(f"\nwall {wall:.0f} s; wrote {os.path.relpath(path)}")
-    return rows
+        decode = kept_bytes(release, b, 1, "states")
+        gather, replay = (kept_bytes(release, b, k + 1, keep) for keep in ("states", "inputs"))
+        memory.append(
+            dict(batch=b, decode_MiB=decode / MIB, gather_MiB=gather / MIB)
+            | dict(replay_MiB=replay / MIB, gather_over_replay=gather / replay)
+        )
+    config = preset("tiny" if args.quick else "small")
+    graphdef, params = nnx.split(random_model(config))
+    graphdef = HashedGraph(graphdef)
+    timing = []
+    for b in batches:
+        cache = init_cache(
+            config, num_slots=b + 1, num_pages=b * 2 + 1, page_size=64, dtype=jnp.float32
+        )
+        batch = contiguous_batch(b, 128, 64, start=np.full(b, 64), lengths=np.ones(b))
+        sampling = SamplingBatch.from_params(
+            [SamplingParams(temperature=0, seed=0)] * b, [0] * b, b
+        )
+        rng = np.random.default_rng(0)
+        drafts = jnp.asarray(rng.integers(0, config.vocab_size, (b, k)), jnp.int32)
+        zeros, none = jnp.zeros((b, 1), jnp.int32), jnp.full(b, -1, jnp.int32)
+        base = (jnp.ones(b, jnp.int32), drafts, jnp.full(b, k, jnp.int32), cache, batch, sampling)
+        base += (zeros, zeros.astype(bool), none, none)
+        calls, temp = {}, {}
+        for c in COMMITS:
+            state = [graphdef, *jax.tree.map(jnp.copy, (params, *base))]
+            lowered = verify_step.lower(*state, mode="greedy", commit=c)
+            temp[c] = lowered.compile().memory_analysis().temp_size_in_bytes
+
+            def call(state=state, c=c):
+                out, state[5] = verify_step(*state, mode="greedy", commit=c)  # cache donated
+                return out
+
+            calls[c] = call
+        runs = interleaved(calls, warmup=1, repeats=repeats(args, 5, 2), keep=False)
+        timing.append(
+            dict(batch=b, gather_ms=runs["gather"].best * 1e3, replay_ms=runs["replay"].best * 1e3)
+            | dict(replay_over_gather=runs["replay"].best / runs["gather"].best)
+            | dict(gather_temp_MiB=temp["gather"] / MIB, replay_temp_MiB=temp["replay"] / MIB)
+        )
+    return [
+        Table(f"kept for the commit, kimi-linear-48b-a3b, k = {k}", memory, list(memory[0])),
+        Table(
+            f"verify_step, {'tiny' if args.quick else 'small'} shapes, f32", timing, list(timing[0])
+        ),
+    ]
 
 
-if __name__ == "__main__":
-    main()
+# ---- the draft model's price ------------------------------------------------------------------
+# A draft shape beside the shipped one (`pycode-draft`: 2 MLA layers, dense MLPs, width 128),
+# as overrides of its preset: one MLA layer alone (random weights: a step's price does not
+# depend on them).
+CANDIDATES = {
+    "1 MLA layer": dict(num_hidden_layers=1, full_attn_layers=(1,), first_k_dense_replace=1),
+}
+DRAFT_CALLS = [
+    (runner_mod, "decode_steps", "plain"),
+    (steps_mod, "verify_step", "verify"),
+    (draft_mod, "decode_steps", "draft"),
+    (draft_mod, "_rollback", "rollback"),
+]
+
+
+@SUITE.measure("draft_cost")
+def draft_cost(args) -> Table:
+    """What a draft-model window costs in plain decode steps of the built-in model, for the
+    shipped draft and a one-layer one, and from that price the best speed-up any acceptance
+    could give and the acceptance 1.5x needs.
+
+    Each draft runs in an engine that drafts every step (``min_acceptance`` 0) continuing a
+    held-out prompt; a plain engine continues the same prompt; the engines take turns. The
+    compiled calls are timed until ready: the draft's k + 1 fused steps, the verify, the
+    draft's rollback, a plain decode step (per call the median, per engine the best round).
+    Window price P = (draft + verify + rollback) / plain step; speed-up (1 + a k) / P at
+    acceptance a, so at most (1 + k) / P, and 1.5x needs a >= (1.5 P - 1) / k. Host work
+    between calls is left out: a bound.
+    """
+    k = args.k or 4
+    n = args.max_tokens or (16 if args.quick else 48)
+    rounds = repeats(args, 3, 1)
+    times: dict[tuple[str, str], list[float]] = {}
+    current = [""]
+    saved = []
+    for module, fn, what in DRAFT_CALLS:
+        real = getattr(module, fn)
+
+        def timed(*a, _real=real, _what=what, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(_real(*a, **kw))
+            times.setdefault((current[0], _what), []).append(time.perf_counter() - t0)
+            return out
+
+        saved.append((module, fn, real))
+        setattr(module, fn, timed)
+    best: dict[tuple[str, str], float] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            shapes = dict(max_num_seqs=1, num_pages=64, dtype="float32")
+            spec = {"method": "draft_model", "num_draft_tokens": k, "min_acceptance": 0.0}
+            shipped = load_pretrained(BUILTIN_DRAFT, dtype="float32")
+            engines = {"plain": (LLM(**shapes), 0)}
+            engines["pycode-draft (shipped)"] = (LLM(speculative=spec, **shapes), shipped)
+            for name, overrides in CANDIDATES.items():
+                path = os.path.join(tmp, name.replace(" ", "_"))
+                model = random_model(preset("pycode-draft", **overrides))
+                save_pretrained(model, path)
+                engines[name] = (LLM(speculative={**spec, "model": path}, **shapes), model)
+            (prompt,) = held_out_prompts(engines["plain"][0].tokenizer, 128, n, 1)
+            for llm, _ in engines.values():  # compile
+                generate_run(llm, prompt, n)
+            for _ in range(rounds):
+                for name, (llm, _) in engines.items():
+                    times.clear()
+                    current[0] = name
+                    generate_run(llm, prompt, n)
+                    for key, ts in times.items():
+                        best[key] = min(best.get(key, float("inf")), statistics.median(ts))
+    finally:
+        for module, fn, real in saved:
+            setattr(module, fn, real)
+    plain = best[("plain", "plain")]
+    rows = []
+    for name, (_, model) in engines.items():
+        if name == "plain":
+            continue
+        parts = {w: best.get((name, w), 0.0) for w in ("draft", "verify", "rollback")}
+        price = sum(parts.values()) / plain
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        row = {"draft": name, "params": params, "k": k}
+        row.update({f"{w}_ms": 1e3 * t for w, t in parts.items()})
+        row.update(plain_ms=1e3 * plain, window_steps=price, ceiling=(1 + k) / price)
+        row["acceptance_for_1.5x"] = (1.5 * price - 1) / k
+        rows.append(row)
+    title = f"built-in model, B = 1, k = {k}; window_steps = window / plain step, best of {rounds}"
+    return Table(title, rows, list(rows[0]), {"k": k, "max_tokens": n})
