@@ -34,10 +34,10 @@ from kimi_linear_jax.checkpoint import save_pretrained
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
-from serving.decode import decode_steps
+from serving.core.decode import decode_steps
+from serving.core.sampling import SamplingParams
+from serving.core.scheduler_output import Placement
 from serving.engine import LLM
-from serving.sampling import SamplingParams
-from serving.scheduler import Placement
 
 SUITE = Suite("decode", __doc__)
 SUITE.option("--batches", help="batch sizes, e.g. 1,8,32 (each measure has its default)")
@@ -564,7 +564,7 @@ def device_loop(llm: LLM, batch: int, context: int):
     device: a step's device time with no host work between. It writes into slots 1..batch and
     the first pages (the prefix cache emptied first; a later request rewrites what it reads)."""
     runner = llm.runner
-    each = llm.allocator.pages_for(context + 1)
+    each = llm.cache.pages_for(context + 1)
     rows = [
         Placement(1 + i, tuple(range(1 + i * each, 1 + (i + 1) * each)), context, 1)
         for i in range(batch)
@@ -572,8 +572,8 @@ def device_loop(llm: LLM, batch: int, context: int):
 
     def run():
         llm.reset_prefix_cache()
-        b, placed = runner._batch(rows)
-        sampling = runner._sampling_inputs([None] * batch, b, "greedy")
+        b, placed = runner.buckets.batch(rows)
+        sampling = runner.buckets.sampling([None] * batch, b, "greedy")
         ids, steps_left = jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.int32)
         for _ in range(DEVICE_STEPS):
             picked, _, runner.cache = decode_steps(

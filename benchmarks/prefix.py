@@ -13,8 +13,8 @@ import numpy as np
 from benchmarks.harness import Suite, Table, add_ratio, repeats
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 SUITE = Suite("prefix", __doc__)
 SUITE.option("--prefix-len", type=int, help="shared prefix tokens (2048; --quick 256)")

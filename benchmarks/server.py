@@ -22,8 +22,8 @@ from kimi_linear_jax.checkpoint import BUILTIN_MODEL, read_config
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer, load_tokenizer
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.server import BackgroundServer, build_app
 
 SUITE = Suite("server", __doc__)

@@ -35,8 +35,8 @@ from kimi_linear_jax.layers import linear
 from kimi_linear_jax.model import HashedGraph, KimiLinearForCausalLM, merge
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingBatch, SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingBatch, SamplingParams
 from serving.speculative.ngram_table import table_from_corpus
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.verify import COMMITS, verify_step
@@ -183,7 +183,8 @@ def code(args) -> Table:
         "ngram": LLM(speculative=ngram, **shapes),
         "ngram, stepwise": LLM(speculative=ngram, **shapes),
     }
-    engines["ngram, stepwise"].runner.draftless_runs = False  # each draftless step its own call
+    # Each draftless step its own call.
+    engines["ngram, stepwise"].runner.verifier.draftless_runs = False
     k_of = {"plain": 0, "plain async": 0}
     if args.corpus:  # built once and shared: tokenizing the standard library takes seconds
         table = table_from_corpus(args.corpus, engines["plain"].tokenizer)
@@ -360,7 +361,7 @@ def window(args) -> Table:
     rounds, calls = (1, 3) if args.quick else (repeats(args, 4), 25)
     spec = {"method": "ngram", "num_draft_tokens": max(WIDTHS) - 1, "min_acceptance": 0.0}
     llm = LLM(speculative=spec, max_num_seqs=1, num_pages=64, dtype="float32")
-    llm.runner.draftless_runs = False  # so that a plain `decode_steps` call is made
+    llm.runner.verifier.draftless_runs = False  # so that a plain `decode_steps` call is made
     (prompt,) = held_out_prompts(llm.tokenizer, 128, 128, 1)
     captured, real_v, real_d = {}, steps_mod.verify_step, runner_mod.decode_steps
 

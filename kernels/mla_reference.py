@@ -82,7 +82,8 @@ def merge_stacked_partials(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
     o = sum exp(lse_r - lse) o_r; rows empty on every rank give lse = -inf, o = 0.
     """
     # Unrolled over the (static, small) partial count: XLA:CPU reduces a stacked [c, B, 1, H, L]
-    # over axis 0 up to 10x slower than this sum of c fused terms (benchmarks/dcp_combine.py).
+    # over axis 0 up to 10x slower than this sum of c fused terms
+    # (`python -m benchmarks kernel --only dcp_combine`).
     # Split-K pieces of the kernel and DCP ranks both merge here.
     c = o.shape[0]
     m = jnp.max(lse, axis=0)

@@ -358,12 +358,3 @@ def _layer_lists(hf: dict[str, Any], lin: dict[str, Any]) -> tuple[tuple[int, ..
         if name not in lin:
             raise ValueError(f"config.json is missing required field 'linear_attn_config.{name}'")
     return tuple(int(i) for i in lin["kda_layers"]), tuple(int(i) for i in lin["full_attn_layers"])
-
-
-def __getattr__(name: str):
-    # The presets moved to presets.py; `from kimi_linear_jax.config import preset` still works.
-    if name in ("preset", "PRESETS"):
-        from kimi_linear_jax import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

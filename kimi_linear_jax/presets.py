@@ -112,7 +112,7 @@ def _pycode_draft() -> KimiLinearConfig:
     # The built-in draft model (about 1.6M parameters): `pycode`'s vocabulary, two MLA layers
     # with dense MLPs at half the width. No KDA layer, so nothing to roll back after a verify,
     # and few ops: on a CPU a step is mostly a fixed cost per op, and this one costs a third
-    # of the 4-layer KDA + MoE draft's (benchmarks/draft_cost.py).
+    # of the 4-layer KDA + MoE draft's (python -m benchmarks speculative --only draft_cost).
     return dataclasses.replace(
         _pycode(),
         hidden_size=128,

@@ -3,7 +3,7 @@
 vLLM's import habit works: `from serving import LLM, SamplingParams`.
 """
 
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM, RequestOutput
-from serving.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -1,21 +1,28 @@
-"""Async scheduling in `LLM` (`async_scheduling=True`): a plain decode step stays in flight
-between calls of `step`, and the next call dispatches the following step before it applies
+"""Async scheduling (`async_scheduling=True`): a plain decode step stays in flight between
+calls of `EngineCore.step`, and the next call dispatches the following step before it applies
 the in-flight step's tokens, so the host's work on one step overlaps the device's work on the
-next. Outputs do not change (README, "Async scheduling")."""
+next. Outputs do not change (docs/architecture.md, "Async scheduling")."""
 
 from __future__ import annotations
 
-from serving.step_result import InFlight
+from serving.core.step_result import InFlight
 
 
-class AsyncStepsMixin:
-    """`LLM.step` under async scheduling (`_step_async`). Mixed into `LLM`; it uses
-    `self._flight`, `self._overlapped`, `self._counters`, `self.scheduler`, `self.runner` and
-    the engine's synchronous pieces (`_schedule`, `_run_step`, `_apply`, `_fail_step`)."""
+class AsyncSteps:
+    """The core's step under async scheduling: it holds the step in flight and drives the
+    core's schedule / run / apply / fail and the runner's dispatch and collect."""
 
-    # ---- async scheduling: host work of one step overlaps the device work of the next -------
+    def __init__(self, core) -> None:  # the `EngineCore` (engine_core.py imports this module)
+        self.core = core
+        self.scheduler, self.runner = core.scheduler, core.runner
+        self._flight: InFlight | None = None  # the dispatched step not yet collected
+        self.overlapped = 0  # steps dispatched before their predecessor's tokens came
 
-    def _step_async(self, touched: list[str]) -> list[str]:
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def step(self, touched: list[str]) -> list[str]:
         """One call of async scheduling. With a plain decode step in flight, the next one is
         scheduled and dispatched before the in-flight step's tokens are fetched: its rows read
         them on the device, and the host applies them (stops, logprobs, outputs) while the
@@ -28,7 +35,7 @@ class AsyncStepsMixin:
         done = self._collect(flight, touched) if flight is not None else []
         if not self.scheduler.has_unfinished():
             return done
-        return done + self._start(self._schedule(), touched + done)
+        return done + self._start(self.core.schedule(), touched + done)
 
     def _start(self, output, touched: list[str]) -> list[str]:
         """Run a step scheduled with every token known. A plain decode step stays in flight
@@ -38,9 +45,9 @@ class AsyncStepsMixin:
             if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
                 self._flight = self._launch(output, None)
                 return []
-            return self._run_step(output, touched)
+            return self.core.run(output, touched)
         except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            return self._fail_step(output, e)
+            return self.core.fail(output, e)
 
     def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
         """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the
@@ -48,7 +55,7 @@ class AsyncStepsMixin:
         it without the rows that `flight`'s tokens finish or that are aborted before its
         tokens are fetched, and the other rows' results may change in the last bits with
         the batch bucket. Then collect first and start what remains."""
-        output = self._schedule()
+        output = self.core.schedule()
         if not self.runner.same_program_for_any_rows(output):
             done = self._collect(flight, touched)
             return done + self._start_survivors(output, touched + done)
@@ -56,8 +63,8 @@ class AsyncStepsMixin:
             ahead = self._launch(output, flight)
         except Exception as e:  # noqa: BLE001 - as if synchronous: flight's tokens, then this
             done = self._collect(flight, touched)
-            return done + self._fail_step(output, e)
-        self._overlapped += 1
+            return done + self.core.fail(output, e)
+        self.overlapped += 1
         done = self._collect(flight, touched, ahead)
         # With nothing left unfinished, every row of `ahead` ended: its tokens would be dropped.
         if self._flight is not None and not self.scheduler.has_unfinished():
@@ -68,7 +75,7 @@ class AsyncStepsMixin:
         """Start the rows of `output` (scheduled ahead) whose requests still run."""
         self.scheduler.drop_finished(output)
         if output.is_empty:
-            self._counters["steps"] -= 1  # every row ended: synchronously it is no step
+            self.core.counters["steps"] -= 1  # every row ended: synchronously it is no step
             return []
         return self._start(output, touched)
 
@@ -82,9 +89,9 @@ class AsyncStepsMixin:
         If the fetch fails (a device fault surfaces there), `ahead` fails too: it ran on the
         failed step's cache and tokens."""
         try:
-            done = self._apply(flight.output, self.runner.collect(flight), touched)
+            done = self.core.apply(flight.output, self.runner.collect(flight), touched)
         except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
-            failed = self._fail_step(flight.output, e)
-            return failed + (self._fail_step(ahead.output, e) if ahead is not None else [])
+            failed = self.core.fail(flight.output, e)
+            return failed + (self.core.fail(ahead.output, e) if ahead is not None else [])
         self._flight = ahead
         return done

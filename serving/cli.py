@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from kimi_linear_jax.parallel.plan_command import add_plan_parser
+from kimi_linear_jax.train_command import add_train_parser
 from serving.engine_args import (
     ENGINE_FLAGS,  # noqa: F401  (re-exported)
     _add_model_flags,
@@ -30,8 +32,6 @@ from serving.generate_command import (  # noqa: F401  (re-exported: cli's names 
     parse_line,
     sampling_from_args,
 )
-from serving.plan_command import add_plan_parser
-from serving.train_command import add_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ This is how lm-eval's `local-completions` scores a continuation: it sends contex
 continuation with `echo: true, max_tokens: 1, logprobs: 1` and sums `token_logprobs` over the
 continuation's tokens (dropping the last, the generated one); `max_tokens: 0` with echo asks
 for the prompt alone. The prompt logprobs are the engine's `prompt_logprobs`
-(`serving/prompt_logprobs.py`), asked for at least `logprobs` wide.
+(`serving/core/prompt_logprobs.py`), asked for at least `logprobs` wide.
 """
 
 from __future__ import annotations

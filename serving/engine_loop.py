@@ -19,8 +19,8 @@ import threading
 
 from kimi_linear_jax.parallel import distributed
 from serving import lockstep
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 log = logging.getLogger("kimi_linear_jax.server")
 

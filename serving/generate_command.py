@@ -13,8 +13,8 @@ import sys
 import time
 
 from kimi_linear_jax.tokenizer import validate_messages
+from serving.core.sampling import SamplingParams, logit_bias_from_json
 from serving.engine_args import _add_model_flags, _leader, llm_from_args
-from serving.sampling import SamplingParams, logit_bias_from_json
 
 # Fields a JSONL line may set besides its prompt (the SamplingParams ones) and their JSON types;
 # checked here because a wrong type would otherwise fail deep in the engine, not alone.

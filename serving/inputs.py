@@ -1,15 +1,16 @@
-"""`LLM.add_request`'s input check: a prompt (text or token ids) and its `SamplingParams`
-made a `Request`, or a ValueError naming the field and the limit (empty prompt, token id
-outside the vocabulary, text without a tokenizer, prompt + max_tokens past `max_model_len`, a
-sampling parameter out of range)."""
+"""`LLM.add_request`'s input check (`InputProcessor`): a prompt (text or token ids) and its
+`SamplingParams` made a `Request`, or a ValueError naming the field and the limit (empty prompt,
+token id outside the vocabulary, text without a tokenizer, prompt + max_tokens past
+`max_model_len`, a sampling parameter out of range)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import random
+from collections.abc import Container, Sequence
 
-from serving.request import Request
-from serving.sampling import SamplingParams, is_int, resolve_seed
+from serving.core.request import Request
+from serving.core.sampling import SamplingParams, is_int, resolve_seed
 
 
 def _iterable(x) -> bool:
@@ -20,11 +21,21 @@ def _iterable(x) -> bool:
     return True
 
 
-class InputsMixin:
-    """`LLM._make_request`. Mixed into `LLM`; it uses `self.tokenizer`, `self.config`,
-    `self.max_model_len`, `self._rng`, `self._next_id` and `self._tracked`."""
+class InputProcessor:
+    """Prompts and parameters checked and made `Request`s: ids, a seed drawn where none is
+    given (from the engine's seeded generator, so a run is reproducible), a request id."""
 
-    def _make_request(self, prompt, params: SamplingParams, request_id: str | None) -> Request:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._rng = random.Random(seed)
+        self._next_id = 0
+
+    def make_request(
+        self, prompt, params: SamplingParams, request_id: str | None, in_use: Container
+    ) -> Request:
+        """The request, or ValueError; `in_use`: the ids of the requests not finished."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {params!r:.80}")
         if isinstance(prompt, str):
@@ -40,7 +51,7 @@ class InputsMixin:
             raise ValueError(f"prompt must be a str or a list of token ids (ints), got {bad!r:.60}")
         if not ids:
             raise ValueError("prompt is empty")
-        vocab = self.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -56,6 +67,6 @@ class InputsMixin:
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        if request_id in self._tracked:
+        if request_id in in_use:
             raise ValueError(f"request id {request_id!r} is already in use")
         return Request(request_id, ids, params)

@@ -30,8 +30,8 @@ from collections.abc import Callable
 import numpy as np
 from jax.experimental import multihost_utils
 
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 HEADER_BYTES = 4096
 LENGTH_BYTES = 4

@@ -11,9 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serving.engine_metrics import COUNTERS
 
-if TYPE_CHECKING:  # the server imports this module
+if TYPE_CHECKING:
     from serving.engine_loop import EngineLoop
-    from serving.server import OpenAIServer
 
 METRIC_PREFIX = "kimi_linear"
 # Latency buckets in seconds: CPU runs of the small model reach seconds, GPU decode is ms.
@@ -43,7 +42,8 @@ class _EngineCollector:
 class ServerMetrics:
     """The server's Prometheus metrics in their own registry (several servers per process)."""
 
-    def __init__(self, engine: EngineLoop, server: OpenAIServer) -> None:
+    def __init__(self, engine: EngineLoop, server) -> None:
+        """`server`: the `OpenAIServer` (which imports this module) whose load it gauges."""
         self.registry = CollectorRegistry()
         p, r = METRIC_PREFIX, self.registry
         self.requests = Counter(f"{p}_requests", "requests by HTTP status", ["status"], registry=r)

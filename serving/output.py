@@ -1,12 +1,13 @@
 """What `LLM` hands back: `RequestOutput` (vLLM's names), the engine's bookkeeping of a
-request beside the scheduler's `Request` (`_Tracked`), and how a step's tokens become outputs:
-logprobs kept, stop strings cut on the host, outputs assembled (`OutputsMixin`)."""
+request beside the scheduler's `Request` (`_Tracked`), and how a step's tokens become outputs
+(`OutputProcessor`: logprobs kept, stop strings cut on the host, outputs assembled)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from serving.request import Request
+from serving.core.request import Request
 
 
 @dataclasses.dataclass
@@ -15,7 +16,7 @@ class RequestOutput:
     token mapping token id -> logprob: the sampled token and the top `logprobs` tokens.
     `prompt_logprobs`, when asked for, has one entry per prompt token: None for the first (it
     has no context), then a dict of the same form for prompt token i given tokens [:i] (the
-    token and the top `prompt_logprobs` tokens; `serving/prompt_logprobs.py`). Both are raw
+    token and the top `prompt_logprobs` tokens; `serving/core/prompt_logprobs.py`). Both are raw
     model logprobs (before penalties, temperature and truncation). Such a request takes no
     prefix-cache hit (the skipped positions would have no logits); it still fills the cache.
     Entries of positions not computed (a request that ended in its prefill) stay None.
@@ -52,14 +53,31 @@ class _Tracked:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position
 
 
-class OutputsMixin:
-    """`LLM`'s output side: a step's samples recorded (logprobs, stop strings) and a tracked
-    request made a `RequestOutput`. Mixed into `LLM`; it uses `self._tracked`,
-    `self._counters`, `self.scheduler` and `self.tokenizer`."""
+class OutputProcessor:
+    """The requests' outputs beside the scheduler. Reads the requests, never changes one: a
+    stop string found in the text is handed to `stop(request, num_output_tokens)` (the
+    scheduler's), which cuts the tokens and finishes the request."""
 
-    def _record(self, rid: str, samples: list, before: int) -> None:
+    def __init__(self, tokenizer, stop: Callable[[Request, int], None], counters: dict) -> None:
+        self.tokenizer = tokenizer
+        self._stop = stop
+        self._counters = counters
+        self.tracked: dict[str, _Tracked] = {}
+
+    def track(self, request: Request) -> None:
+        wants = request.params.logprobs is not None
+        tracked = _Tracked(request, [] if wants else None, 0.0 if wants else None)
+        if request.params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        self.tracked[request.request_id] = tracked
+
+    def finished_ids(self) -> list[str]:
+        """Tracked requests already finished (an abort since the last step)."""
+        return [rid for rid, t in self.tracked.items() if t.request.is_finished]
+
+    def record(self, rid: str, samples: list, before: int) -> None:
         """Keep the logprobs of the tokens the scheduler appended; cut at a stop string."""
-        tracked = self._tracked[rid]
+        tracked = self.tracked[rid]
         request = tracked.request
         appended = len(request.output_token_ids) - before
         self._counters["generation_tokens"] += appended
@@ -73,13 +91,18 @@ class OutputsMixin:
         if request.params.stop and self.tokenizer is not None and appended:
             self._check_stop_strings(tracked, before)
 
-    def _record_prompt(self, found: dict) -> None:
+    def record_prompt(self, found: dict) -> None:
         """Place a step's prompt logprobs by position: a prefill again after a preemption
         overwrites what it recomputes."""
         for rid, (first, entries) in found.items():
-            tracked = self._tracked.get(rid)
+            tracked = self.tracked.get(rid)
             if tracked is not None and tracked.prompt_logprobs is not None:
                 tracked.prompt_logprobs[first : first + len(entries)] = entries
+
+    def fail(self, rid: str, message: str) -> None:
+        tracked = self.tracked.get(rid)
+        if tracked is not None:
+            tracked.error = message
 
     def _check_stop_strings(self, tracked: _Tracked, before: int) -> None:
         """Host-side stop strings (vLLM: the text excludes the stop string; the token ids end
@@ -92,23 +115,21 @@ class OutputsMixin:
             if not hits:
                 continue
             pos, stop = min(hits)
-            self.scheduler.stop(request, n)
+            self._stop(request, n)
             if tracked.logprobs is not None:
                 del tracked.logprobs[n:]
                 tracked.cumulative_logprob = sum(d[t] for d, t in zip(tracked.logprobs, ids))
             tracked.text, tracked.stop_reason = text[:pos], stop
             return
 
-    def _error_output(self, prompt, message: str) -> RequestOutput:
-        ids = list(prompt) if isinstance(prompt, list | tuple) else []
-        return RequestOutput(
-            request_id="",
-            prompt_token_ids=ids,
-            text=None,
-            token_ids=[],
-            finish_reason="error",
-            error=message,
-        )
+    def outputs(self, rids: list[str]) -> list[RequestOutput]:
+        """The current output of each of `rids`; finished ones are forgotten after this."""
+        outputs = [self._output(self.tracked[rid]) for rid in rids]
+        for out in outputs:
+            if out.finished:
+                del self.tracked[out.request_id]
+                self._counters["finished"] += 1
+        return outputs
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request, prompt = tracked.request, tracked.prompt_logprobs
@@ -128,3 +149,9 @@ class OutputsMixin:
             num_cached_tokens=request.num_cached_tokens,
             error=tracked.error,
         )
+
+
+def error_output(prompt, message: str) -> RequestOutput:
+    """The output of a prompt that failed before it was queued."""
+    ids = list(prompt) if isinstance(prompt, list | tuple) else []
+    return RequestOutput("", ids, None, [], "error", error=message)

@@ -11,9 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from serving.core.sampling import SamplingParams, logit_bias_from_json
 from serving.echo import echo_logprobs, echo_text
 from serving.output import RequestOutput
-from serving.sampling import SamplingParams, logit_bias_from_json
 
 
 class ApiError(Exception):

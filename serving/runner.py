@@ -1,16 +1,10 @@
 """Model runner: turns a `SchedulerOutput` into padded device batches, runs the jitted steps and
 samples on device (one device-to-host transfer of the sampled tokens per step call).
 
-The runner owns the parameters (`split_flat(model)`: the state as a flat list of arrays) and
-the cache. Every batch is padded to a bucket size so that a few compiled shapes serve any step:
-
-- rows to the smallest of `batch_buckets` that holds them (padding rows: slot `NULL_SLOT`, a
-  block-table row of `NULL_PAGE`, start 0 and length 0, greedy sampling);
-- prefill tokens to the smallest of `token_buckets` that holds the longest chunk (beyond the
-  largest bucket: a multiple of it);
-- block tables to a power-of-two width (at least `MIN_TABLE_WIDTH` pages, at most
-  `max_pages_per_seq`) that holds the step's longest row: the XLA attention reads every page
-  of a row's table, so a pool-wide width would make a short request read the whole pool.
+The runner owns the device state (`DeviceState`: the parameters as a flat list of arrays, and
+the cache). Every batch is padded to a bucket size (`Buckets`, serving/core/buckets.py) so that a
+few compiled shapes serve any step. It reads only the `SchedulerOutput` (rows, placements,
+copies), never the scheduler's or the allocator's state.
 
 Prefill chunks and decodes run as two calls (`prefill_step` with `last_only=True`, then the
 decode scan). A first chunk (`start == 0`) zeroes its state slot first, since the slot may hold
@@ -27,10 +21,10 @@ output (`_next_ids`), so a decode batch can be built before the host knows its t
 model step itself is the same compiled call either way.
 
 Speculative decoding (an engine with a drafter): decode rows become verify windows, or plain
-steps where no row drafts (`speculative/steps.py`, whose `SpeculativeSteps` the runner inherits).
+steps where no row drafts (`speculative/steps.py`: the runner's `Verifier`, on the same state).
 
 A prefill step with a row that asks for prompt logprobs keeps every position's logits and
-takes their logprobs on device (`serving/prompt_logprobs.py`).
+takes their logprobs on device (`serving/core/prompt_logprobs.py`).
 
 Sampling runs on device in one of three static modes (`decode.MODES`): an all-greedy batch is an
 argmax; otherwise `sampling.sample` with a `SamplingBatch` seeded per request and decode step,
@@ -49,37 +43,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_linear_jax.cache import Batch, CacheLayout
+from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.model import prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import layout_cache
-from serving.allocator import NULL_PAGE, block_table_row
-from serving.decode import decode_steps, pick_jit
-from serving.prompt_logprobs import entries, prompt_logprobs_step, targets
-from serving.request import Request
-from serving.sampling import SamplingBatch, SamplingParams
-from serving.scheduler import Placement, SchedulerOutput
-from serving.speculative.steps import SpeculativeSteps
-from serving.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
-from serving.step_result import (
-    InFlight,
-    Sample,
-    StepResult,
-    host_samples,
-    sample_mode,
-)
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n; past the largest, the next multiple of the largest."""
-    for b in buckets:
-        if b >= n:
-            return b
-    top = buckets[-1]
-    return -(-n // top) * top
-
-
-# Smallest block-table width in pages: few enough widths to compile, small enough to read.
-MIN_TABLE_WIDTH = 16
+from serving.core.buckets import Buckets
+from serving.core.decode import decode_steps, pick_jit
+from serving.core.device_state import DeviceState
+from serving.core.prompt_logprobs import entries, prompt_logprobs_step, targets
+from serving.core.request import Request
+from serving.core.scheduler_output import SchedulerOutput
+from serving.core.state_pool import NULL_SLOT, copy_slots, reset_cache_slots
+from serving.core.step_result import InFlight, Sample, StepResult, host_samples, sample_mode
+from serving.speculative.steps import Verifier
 
 
 @jax.jit
@@ -90,7 +65,10 @@ def _next_ids(prev_tokens, host_ids, src):
     return jnp.where(src >= 0, flat[jnp.maximum(src, 0)], host_ids)
 
 
-class ModelRunner(SpeculativeSteps):
+class ModelRunner:
+    """Device state and the jitted steps: prefill, decode (fused, or dispatched ahead for
+    async scheduling) and, with a drafter, the verify (`self.verifier`)."""
+
     def __init__(
         self,
         model,
@@ -103,33 +81,51 @@ class ModelRunner(SpeculativeSteps):
         drafter=None,
         num_draft_tokens: int = 0,
     ) -> None:
-        if not batch_buckets or not token_buckets:
-            raise ValueError("batch_buckets and token_buckets must not be empty")
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
-        self.num_decode_steps = num_decode_steps
-        # Speculative decoding: decode rows become verify windows. The recurrent commit is
-        # decided once, from the model's declared capability.
-        self.drafter = drafter
-        self.num_draft_tokens = num_draft_tokens
-        self.commit_recurrent = model.has_recurrent_state
-        self.spec_counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
-        # Draftless rows run on device until their drafter would draft (`_until_recurs`);
-        # False steps them one call at a time (the reference the tests compare with).
-        self.draftless_runs = True
-        self.config = model.config
-        self.graphdef, self.params = split_flat(model)
         # The model is built for its mesh (model.par); the caches follow its sharding rules.
         # An allocator page is a virtual page of page_size * dcp tokens (page_size on each
         # DCP rank); the cache holds the virtual page, sharded over its in-page axis.
         if layout.dcp_size != model.par.dcp:
             raise ValueError(f"layout dcp_size {layout.dcp_size} != model's {model.par.dcp}")
+        self.config = model.config
         self.layout = layout
-        self.max_pages_per_seq = max_pages_per_seq or (layout.num_pages - 1)
-        self.batch_buckets = tuple(sorted(batch_buckets))
-        self.token_buckets = tuple(sorted(token_buckets))
+        self.buckets = Buckets(
+            batch_buckets,
+            token_buckets,
+            max_pages_per_seq=max_pages_per_seq or (layout.num_pages - 1),
+            num_decode_steps=num_decode_steps,
+            vocab_size=model.config.vocab_size,
+        )
         self._new_cache = functools.partial(layout_cache, model, layout)
-        self.cache = self._new_cache()
+        self.state = DeviceState(*split_flat(model), self._new_cache())
+        self.drafter = drafter
+        # Speculative decoding: decode rows become verify windows; the recurrent commit is
+        # decided once, from the model's declared capability.
+        self.verifier = None
+        if drafter is not None:
+            self.verifier = Verifier(
+                self.state,
+                self.buckets,
+                drafter,
+                num_draft_tokens=num_draft_tokens,
+                commit_recurrent=model.has_recurrent_state,
+                plain=self._plain_samples,
+            )
+
+    # The state's parts, by the names the steps' callers and the tests use.
+    graphdef = property(lambda self: self.state.graphdef)
+    params = property(lambda self: self.state.params)
+    cache = property(
+        lambda self: self.state.cache, lambda self, value: setattr(self.state, "cache", value)
+    )
+
+    @property
+    def spec_counts(self) -> dict:
+        return self.verifier.counts
+
+    def same_program_for_any_rows(self, output: SchedulerOutput) -> bool:
+        return self.buckets.same_program_for_any_rows(output)
 
     def caches_lost(self) -> bool:
         """Whether a failed call consumed a donated cache (its buffers are deleted)."""
@@ -142,74 +138,6 @@ class ModelRunner(SpeculativeSteps):
         if self.drafter is not None:
             self.drafter.reset()
 
-    # ---- host-side batch building ----------------------------------------------------------
-
-    def _width(self, placements: Sequence[Placement]) -> int:
-        """The step's block-table width (see the module docstring)."""
-        need = max(len(p.pages) for p in placements)
-        width = MIN_TABLE_WIDTH
-        while width < need:
-            width *= 2
-        return min(width, self.max_pages_per_seq)
-
-    def _num_steps(self, steps: Sequence[int]) -> int:
-        """Two compiled step counts only: 1 and the configured fusion depth."""
-        return 1 if max(steps) == 1 else self.num_decode_steps
-
-    def decode_program(self, placements: Sequence[Placement], steps: Sequence[int]):
-        """What a decode step over these rows compiles to: (batch bucket, block-table width,
-        fused steps). A row's results may change with it (XLA picks other kernels and
-        reduction orders for other shapes: batch 1 and 2 differ in the last bits on a CPU)."""
-        b = bucket(len(placements), self.batch_buckets)
-        return b, self._width(placements), self._num_steps(steps)
-
-    def same_program_for_any_rows(self, output: SchedulerOutput) -> bool:
-        """Whether every nonempty subset of the step's decode rows compiles to the same
-        program. Bucket, width and fused steps only grow with the rows, so each row alone
-        having the program of all rows suffices."""
-        rows = [output.placement[r.request_id] for r in output.decode]
-        steps = output.decode_steps
-        whole = self.decode_program(rows, steps)
-        return all(self.decode_program([p], [n]) == whole for p, n in zip(rows, steps, strict=True))
-
-    def _batch(self, placements: Sequence[Placement]) -> tuple[int, Batch]:
-        """(bucket size, Batch) of the rows `placements`, padded with null rows."""
-        b = bucket(len(placements), self.batch_buckets)
-        width = self._width(placements)
-        slots = np.full(b, NULL_SLOT, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
-        start = np.zeros(b, np.int32)
-        lengths = np.zeros(b, np.int32)
-        for i, p in enumerate(placements):
-            slots[i] = p.slot
-            table[i] = block_table_row(p.pages, width)
-            start[i] = p.start
-            lengths[i] = p.length
-        arrays = (slots, table, start, lengths)
-        # numpy, not jax arrays: jit takes numpy arguments in its C++ dispatch, where each
-        # jnp.asarray is a Python-level device_put (about 20-80 us apiece, 20 per step).
-        return b, Batch(*arrays)
-
-    def _sampling_inputs(self, requests: Sequence[Request | None], b: int, mode: str):
-        """SamplingBatch and penalty inputs for rows `requests` (None: a padding or non-sampling
-        row, given greedy params). Counts and prompt masks are [b, V] only in penalized mode."""
-        greedy = SamplingParams(temperature=0.0, seed=0)
-        params = [r.params if r is not None else greedy for r in requests]
-        # The PRNG stream position counts pending tokens (async scheduling) as drawn.
-        steps = [len(r.output_token_ids) + r.num_pending if r is not None else 0 for r in requests]
-        params += [greedy] * (b - len(params))
-        steps += [0] * (b - len(steps))
-        sampling = SamplingBatch.from_params(params, steps, b)
-        vocab = self.config.vocab_size if mode == "penalized" else 1
-        counts = np.zeros((b, vocab), np.int32)
-        prompt_mask = np.zeros((b, vocab), bool)
-        if mode == "penalized":
-            for i, r in enumerate(requests):
-                if r is not None:
-                    np.add.at(counts[i], np.asarray(r.output_token_ids, np.int64), 1)
-                    prompt_mask[i, r.prompt_token_ids] = True
-        return sampling, counts, prompt_mask
-
     # ---- one step --------------------------------------------------------------------------
 
     def run(self, output: SchedulerOutput) -> StepResult:
@@ -221,8 +149,8 @@ class ModelRunner(SpeculativeSteps):
         self._copy(output.restore_copies)
         if output.prefill:
             self._prefill(output, result)
-        if output.decode and self.drafter is not None:
-            self._verify(output, result)
+        if output.decode and self.verifier is not None:
+            self.verifier.run(output, result)
         elif output.decode:
             result.samples.update(self._decode(output))
         # Donations: the request's slot now holds the state at the snapshot depth.
@@ -232,7 +160,7 @@ class ModelRunner(SpeculativeSteps):
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        width = self.batch_buckets[-1]
+        width = self.buckets.batch_buckets[-1]
         self.cache = copy_slots(self.cache, pairs, width)
         if self.drafter is not None:
             self.drafter.copy_slots(pairs, width)
@@ -240,8 +168,8 @@ class ModelRunner(SpeculativeSteps):
     def _prefill(self, output: SchedulerOutput, result: StepResult) -> None:
         chunks = output.prefill
         placements = [output.placement[c.request.request_id] for c in chunks]
-        b, batch = self._batch(placements)
-        t = bucket(max(c.length for c in chunks), self.token_buckets)
+        b, batch = self.buckets.batch(placements)
+        t = self.buckets.tokens(max(c.length for c in chunks))
         ids = np.zeros((b, t), np.int32)
         fresh = np.full(b, NULL_SLOT, np.int32)
         for i, (c, p) in enumerate(zip(chunks, placements, strict=True)):
@@ -276,7 +204,7 @@ class ModelRunner(SpeculativeSteps):
         mode = sample_mode(live) if live else "greedy"
         picked = ()
         if live:
-            picked = pick_jit(logits, *self._sampling_inputs(rows, b, mode), mode=mode)
+            picked = pick_jit(logits, *self.buckets.sampling(rows, b, mode), mode=mode)
             picked = tuple(x[:, None] for x in picked)
         picked, prompt = jax.device_get((picked, prompt))  # one transfer
         if live:
@@ -288,6 +216,10 @@ class ModelRunner(SpeculativeSteps):
     def _decode(self, output: SchedulerOutput) -> dict[Hashable, list[Sample]]:
         return self.collect(self.dispatch_decode(output)).samples
 
+    def _plain_samples(self, output: SchedulerOutput, steps: list[int]):
+        """A decode of `output`'s rows with `steps` each (the verifier's draftless step)."""
+        return self.collect(self.dispatch_decode(output, steps=steps)).samples
+
     def dispatch_decode(
         self, output: SchedulerOutput, prev: InFlight | None = None, steps: list[int] | None = None
     ) -> InFlight:
@@ -297,14 +229,14 @@ class ModelRunner(SpeculativeSteps):
         row's fused steps, `output.decode_steps` unless given."""
         requests = output.decode
         steps = output.decode_steps if steps is None else steps
-        b, batch = self._batch([output.placement[r.request_id] for r in requests])
+        b, batch = self.buckets.batch([output.placement[r.request_id] for r in requests])
         ids = np.zeros(b, np.int32)
         steps_left = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
             if r.num_pending == 0:
                 ids[i] = r.all_token_ids[r.num_tokens - 1]
             steps_left[i] = steps[i]
-        num_steps = self._num_steps(steps)
+        num_steps = self.buckets.num_steps(steps)
         mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
         picked, _, self.cache = decode_steps(
@@ -314,7 +246,7 @@ class ModelRunner(SpeculativeSteps):
             self.cache,
             batch,
             steps_left,
-            *self._sampling_inputs(rows, b, mode),
+            *self.buckets.sampling(rows, b, mode),
             num_steps=num_steps,
             mode=mode,
         )

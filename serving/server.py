@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
 from kimi_linear_jax.tokenizer import validate_messages
 from serving.asgi import BackgroundServer, BodyTimeout, _EventStream  # noqa: F401  (re-exported)
+from serving.core.sampling import SamplingParams
 from serving.echo import Echo
 from serving.engine import LLM, RequestOutput
 from serving.engine_loop import ACCEPTED, EngineLoop, Stream
@@ -48,7 +48,7 @@ from serving.protocol import (
     stream_chunk,
     usage_body,
 )
-from serving.sampling import SamplingParams
+from serving.status_routes import add_status_routes
 from serving.tokenizer_routes import add_tokenizer_routes
 
 DEFAULT_MODEL_NAME = "kimi-linear-default"
@@ -143,10 +143,7 @@ class OpenAIServer:
         app.add_exception_handler(Exception, self._internal_error)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
-        app.get("/v1/models")(self.models)
-        app.get("/v1/models/{model_id:path}")(self.model)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.prometheus)
+        add_status_routes(app, self)
         add_tokenizer_routes(app, self)
         return app
 
@@ -173,39 +170,6 @@ class OpenAIServer:
         log.exception("internal error")
         return self._error_response(ApiError(500, f"internal error: {exc}", "server_error"))
 
-    # ---- plain endpoints ----
-
-    async def models(self) -> dict:
-        return {"object": "list", "data": [self._card()]}
-
-    async def model(self, model_id: str) -> dict:
-        """OpenAI's retrieve-model: this server's card, or 404 naming the one it has."""
-        self._check_model(model_id)
-        return self._card()
-
-    def _card(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": 0}
-        return card | dict(owned_by="kimi-linear-jax", max_model_len=self.llm.max_model_len)
-
-    async def health(self) -> Response:
-        """503 when the engine cannot step: its thread stopped, or a step fault it could not
-        recover from. A fault it recovered from (the step's requests failed alone) is shown
-        as `last_error` with status ok."""
-        if not self.engine.alive:
-            body = {"status": "engine loop stopped"}
-            if self.engine.broken is not None:  # across processes a fault ends the loop
-                body["error"] = self.engine.broken
-            return JSONResponse(body, status_code=503)
-        if self.engine.broken is not None:
-            body = {"status": "engine cannot step", "error": self.engine.broken}
-            return JSONResponse(body, status_code=503)
-        if not self.ready:  # a load balancer should not send traffic into the first compile
-            return JSONResponse({"status": "warming up"}, status_code=503)
-        body = {"status": "ok"}
-        if self.llm.last_error is not None:
-            body["last_error"] = self.llm.last_error
-        return JSONResponse(body)
-
     async def _warm_up(self) -> None:
         """One token through the engine loop (so that every process of a group runs it), to
         compile the first prefill and decode steps; /health is ready once it is done.
@@ -220,9 +184,6 @@ class OpenAIServer:
             if not isinstance(item, RequestOutput) or item.finished:
                 break
         self.ready = True
-
-    async def prometheus(self) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type="text/plain")
 
     # ---- generation endpoints ----
 

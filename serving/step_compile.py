@@ -22,12 +22,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import serving.prompt_logprobs as prompt_logprobs_mod
+import serving.core.prompt_logprobs as prompt_logprobs_mod
+import serving.core.state_pool as state_pool_mod
 import serving.runner as runner_mod
 import serving.speculative.draft_model as draft_mod
 import serving.speculative.steps as steps_mod
-import serving.state_pool as state_pool_mod
 from kimi_linear_jax.model import HashedGraph, merge, split_flat
+from kimi_linear_jax.parallel.target_plan import gpu_backend
 
 # Module-level jitted functions the engine calls (by their importers' names).
 STEPS = {
@@ -49,7 +50,7 @@ PROMPTS = [PREFIX + "    parser.add_argument(", PREFIX + "    args = parser.pars
 def exercise(llm, prompt_logprobs: int | None = None) -> None:
     """Requests that reach every step: a greedy one, then a prefix hit beside a sampled one
     (top-p, seeded, with prompt logprobs if asked)."""
-    from serving.sampling import SamplingParams
+    from serving.core.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     sampled = SamplingParams(
@@ -57,17 +58,6 @@ def exercise(llm, prompt_logprobs: int | None = None) -> None:
     )
     llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
     llm.generate(PROMPTS, [greedy, sampled], use_tqdm=False)  # the first: a prefix hit
-
-
-@contextlib.contextmanager
-def gpu_backend():
-    """`jax.default_backend()` says "gpu": the trace-time choices of the model's ops follow."""
-    real = jax.default_backend
-    jax.default_backend = lambda: "gpu"
-    try:
-        yield
-    finally:
-        jax.default_backend = real
 
 
 @dataclasses.dataclass

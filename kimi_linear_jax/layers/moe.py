@@ -79,7 +79,7 @@ TILE_ROWS = 128
 # matrix-vector loop near the memory bandwidth, but a product of 8 to 32 rows at 3-6 GB/s; the
 # pairs are sorted by expert, so an expert's later pairs find its weights in cache. On `small`
 # (E = 8, k = 2) one-pair tiles took the routed product at 8 and 32 tokens to about half the
-# time, and lost from 160 tokens on (benchmarks/moe_tiles.py).
+# time, and lost from 160 tokens on (python -m benchmarks kernel --only moe).
 PAIR_TILES_UP_TO = 8
 
 
@@ -142,7 +142,7 @@ def _expert_ffn(x: jax.Array, e: jax.Array, weights: tuple[jax.Array, ...]) -> j
     Written as products with transposed weights, not einsums: with one row, XLA:CPU fuses each
     matrix-vector product and the expert's dynamic slice into one loop that reads the stacked
     weights in place. The einsum form copied the expert's three matrices out first and ran the
-    one-row MoE 1.6-2x slower (benchmarks/moe_tiles.py)."""
+    one-row MoE 1.6-2x slower (python -m benchmarks kernel --only moe)."""
     w1, w3, w2 = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False) for m in weights)
     h = (jax.nn.silu(x @ w1.T) * (x @ w3.T)).astype(x.dtype)
     return h @ w2.T

@@ -76,7 +76,8 @@ def combine_lse_psum(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array
     that follow want): it moves ~2 (c - 1) / c * |o| per rank like the all-to-all, not
     (c - 1) * |o| like the all-gather, works for any H (the all-to-all needs H % c == 0; odd head
     counts are a test case), and was the fastest of the three at every measured size on 8
-    emulated CPU devices (benchmarks/dcp_combine.py; c = 8, B = 32, T = 1, H = 32, L = 512:
+    emulated CPU devices (`python -m benchmarks kernel --only dcp_combine`; c = 8, B = 32, T = 1,
+    H = 32, L = 512:
     5.1 ms vs 35 ms all-gather, 11 ms all-to-all + all-gather; at c = 2, B = 1 all within
     0.15 ms). Its cost: two dependent collectives, so at tiny B*T on a real interconnect, where
     latency dominates, the one-phase all-gather may win: measure there.

@@ -39,7 +39,7 @@ from kimi_linear_jax.parallel.footprint import (
     step_bytes_per_row,
 )
 from kimi_linear_jax.parallel.mesh import validate
-from kimi_linear_jax.parallel.rules import param_bytes_per_device
+from kimi_linear_jax.parallel.weights import param_bytes_per_device
 
 STATE_MEMORY_RATIO = 0.9  # sglang's mamba_full_memory_ratio default
 MAX_NUM_SEQS = 256  # vLLM's default cap on running requests

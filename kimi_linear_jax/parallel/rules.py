@@ -8,15 +8,14 @@ parameters (norms, routers, the MLA down-projection) are replicated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import kimi_linear_jax.cache as cache_lib
 from kimi_linear_jax.cache import KDAInputs, KDAState, MLACache, ModelCache
 from kimi_linear_jax.parallel.mesh import DCP_AXIS, MODEL_AXIS, TP_AXES, Parallel
 
@@ -125,7 +124,6 @@ def shard_model(model, par: Parallel):
 def init_cache(config, par: Parallel, *, num_slots: int, num_pages: int, page_size: int, dtype):
     """`cache.init_cache` created straight onto `par`'s shards (never whole on one device).
     `page_size` is the tokens of an allocator page (page_size per rank * dcp)."""
-    from kimi_linear_jax import cache as cache_lib
 
     def make():
         return cache_lib.init_cache(
@@ -158,41 +156,3 @@ def shard_elements(shape: tuple[int, ...], spec: P, axis_sizes: dict[str, int]) 
         names = () if axes is None else (axes,) if isinstance(axes, str) else axes
         n *= dim // math.prod(axis_sizes[a] for a in names)
     return n
-
-
-def param_bytes_per_device(
-    config, tp: int, dcp: int = 1, *, dtype=jnp.bfloat16, replicate_q_proj: bool = False
-) -> tuple[int, int]:
-    """(bytes of parameters on each device, bytes in all) of `config` under (tp, dcp), from
-    the sharding rules and the abstract model: nothing is allocated, no device is needed."""
-    par = Parallel(tp, dcp, replicate_q_proj)
-    rules = ShardingRules.for_parallel(par)
-    sizes = {MODEL_AXIS: tp // dcp, DCP_AXIS: dcp}
-    per_device = total = 0
-    for shape, item, logical in _abstract_params(config, jnp.dtype(dtype)):
-        total += math.prod(shape) * item
-        per_device += shard_elements(shape, rules.spec(logical, len(shape)), sizes) * item
-    return per_device, total
-
-
-class _OneKey:
-    """Stands in for `nnx.Rngs` in an abstract build: no value is ever drawn, so one key serves
-    every parameter. `nnx.Rngs` counts its draws in a Variable, and each traced update makes
-    flax ask the tracer for its sharding, whose error message walks the whole trace so far:
-    quadratic, 16 s for the release on a loaded CPU against 3 s with this."""
-
-    def params(self):
-        return jax.random.key(0)
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract_params(config, dtype) -> tuple[tuple[tuple[int, ...], int, Axes], ...]:
-    """(shape, itemsize, logical axes) of every parameter of `config`'s model, one
-    `eval_shape` per config and dtype (a planner asks for several device sets)."""
-    from kimi_linear_jax.model import KimiLinearForCausalLM
-
-    abstract = nnx.eval_shape(lambda: KimiLinearForCausalLM(config, dtype=dtype, rngs=_OneKey()))
-    return tuple(
-        (tuple(var.shape), jnp.dtype(var.dtype).itemsize, var.get_metadata().get("logical"))
-        for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
-    )

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from kimi_linear_jax.checkpoint import BUILTIN_DRAFT
+from serving.speculative.draft_model import DraftModelDrafter
+from serving.speculative.ngram import NgramDrafter
+from serving.speculative.ngram_table import NgramTable, table_from_corpus
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -49,6 +54,32 @@ class SpeculativeConfig:
         config = cls(**{"num_draft_tokens": 4, **spec})
         config.validate()
         return config
+
+    @property
+    def draft_source(self):
+        """The draft model's checkpoint or model (the built-in draft model by default)."""
+        return BUILTIN_DRAFT if self.model is None else self.model
+
+    def make_drafter(self, draft_model, layout, tokenizer):
+        """The drafter this config names: n-gram (with its corpus table, built from the
+        tokenizer's ids) or the loaded `draft_model` (with prompt lookup first, if asked)."""
+        if self.method == "ngram":
+            table = self.corpus
+            if table is not None and not isinstance(table, NgramTable):
+                table = table_from_corpus(table, tokenizer)
+            corpus_k = min(self.corpus_num_tokens, self.num_draft_tokens)
+            lookup = (self.prompt_lookup_max, self.prompt_lookup_min)
+            return NgramDrafter(*lookup, table, corpus_k, self.min_acceptance)
+        lookup = None
+        if self.prompt_lookup_num_tokens:
+            lookup = NgramDrafter(self.prompt_lookup_max, self.prompt_lookup_min)
+        return DraftModelDrafter(
+            draft_model,
+            layout,
+            num_draft_tokens=self.num_draft_tokens,
+            lookup=lookup,
+            lookup_tokens=self.prompt_lookup_num_tokens,
+        )
 
     @property
     def window_drafts(self) -> int:

@@ -37,11 +37,11 @@ from kimi_linear_jax.cache import Batch, CacheLayout, KDAState
 from kimi_linear_jax.layers.block import state_rows
 from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import layout_cache
-from serving.decode import decode_steps
+from serving.core.decode import decode_steps
+from serving.core.state_pool import copy_slots, reset_cache_slots
 from serving.speculative.drafter import Drafter
 from serving.speculative.lag import Lag
 from serving.speculative.verify import track_rows, write_track
-from serving.state_pool import copy_slots, reset_cache_slots
 
 
 def _commit(cache, per_step, slots, n, track, after):

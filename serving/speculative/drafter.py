@@ -22,7 +22,7 @@ class Drafter:
 
     # n when the drafter drafts exactly where a request's last n tokens occur earlier in its
     # tokens (and the row may draft): the runner then runs draftless rows on device until
-    # that holds (`decode.decode_until_recurs`). None: its next proposal is not foreseeable.
+    # that holds (`draftless.decode_until_recurs`). None: its next proposal is not foreseeable.
     recurrence_n: int | None = None
 
     def propose_tokens(self, request, max_drafts: int) -> list[int]:

@@ -5,7 +5,7 @@ token joins the slot's lag instead. A lag is written into the draft's caches in 
 pass (`Lag.take`) before the draft next runs for that slot, before the slot's state is
 copied (prefix-cache snapshots and restores), or once it holds `MAX_LAG` tokens. A rest step
 then costs the target's decode step alone; the draft's one step had cost a third of it on a
-CPU (benchmarks/RESULTS.md, "eighth session").
+CPU (benchmarks/RESULTS.md, "Resting rows lag").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from serving.request import acceptance_ema
+from serving.core.request import acceptance_ema
 from serving.speculative.drafter import Drafter
 
 

@@ -1,17 +1,17 @@
-"""The runner's speculative steps (`ModelRunner` inherits them): a decode step of an engine with
-a drafter becomes one verify window per row, or, where no row drafts, plain steps.
+"""The runner's speculative steps (`Verifier`, which the `ModelRunner` of an engine with a
+drafter holds): a decode step becomes one verify window per row, or, where no row drafts,
+plain steps.
 
 - `_verify`: the drafter proposes, the target verifies every row's window and accepts on device
   (`speculative/verify.py`), the drafter rolls back to what was committed; one transfer.
 - `_draftless`: no row drafted, so the plain decode program runs (cheaper than a one-token
   window). With the n-gram drafter, a step in which no row finds a recurring suffix to draft
   from goes on as plain steps on device until some row's would recur
-  (`decode.decode_until_recurs`, at most each row's reserved window, `_until_recurs`): one call
+  (`draftless.decode_until_recurs`, at most each row's reserved window, `_until_recurs`): one call
   for what would be one call per token; where each request proposes stays the same.
 
-The methods read the runner's batch building (`_batch`, `_sampling_inputs`, `dispatch_decode`,
-`collect`) and its state (`cache`, `drafter`, `num_draft_tokens`, `commit_recurrent`,
-`spec_counts`, `draftless_runs`).
+The verifier steps the runner's `DeviceState`, pads with its `Buckets`, and runs a plain
+decode through the runner's `plain(output, steps)`.
 """
 
 from __future__ import annotations
@@ -19,23 +19,44 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from serving.decode import decode_until_recurs
-from serving.request import Request
-from serving.scheduler import SchedulerOutput
+from serving.core.buckets import Buckets
+from serving.core.device_state import DeviceState
+from serving.core.request import Request
+from serving.core.scheduler_output import SchedulerOutput
+from serving.core.step_result import StepResult, host_samples, sample_mode
+from serving.speculative.draftless import decode_until_recurs
 from serving.speculative.verify import verify_step
-from serving.step_result import StepResult, host_samples, sample_mode
 
 # Smallest width of the token history a draftless run checks for recurrence (`_until_recurs`).
 MIN_HISTORY = 256
 
 
-class SpeculativeSteps:
-    """Verify windows and draftless runs, mixed into `ModelRunner`."""
+class Verifier:
+    """Verify windows and draftless runs over the runner's state."""
 
-    def _verify(self, output: SchedulerOutput, result: StepResult) -> None:
+    def __init__(
+        self,
+        state: DeviceState,
+        buckets: Buckets,
+        drafter,
+        *,
+        num_draft_tokens: int,
+        commit_recurrent: bool,
+        plain,
+    ) -> None:
+        self.state, self.buckets, self.drafter = state, buckets, drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.commit_recurrent = commit_recurrent
+        self._plain = plain
+        self.counts = dict(draft_tokens=0, accepted_tokens=0, verify_rows=0)
+        # Draftless rows run on device until their drafter would draft (`_until_recurs`);
+        # False steps them one call at a time (the reference the tests compare with).
+        self.draftless_runs = True
+
+    def run(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device."""
         requests = output.decode
-        b, batch = self._batch([output.placement[r.request_id] for r in requests])
+        b, batch = self.buckets.batch([output.placement[r.request_id] for r in requests])
         last = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
             last[i] = r.all_token_ids[-1]
@@ -54,15 +75,16 @@ class SpeculativeSteps:
             if r.request_id in output.track:
                 track_slots[i], tp = output.track[r.request_id]
                 track_steps[i] = tp.ith
-        picked, self.cache = verify_step(
-            self.graphdef,
-            self.params,
+        state = self.state
+        picked, state.cache = verify_step(
+            state.graphdef,
+            state.params,
             last,
             drafts,
             num,
-            self.cache,
+            state.cache,
             batch,
-            *self._sampling_inputs(rows, b, mode),
+            *self.buckets.sampling(rows, b, mode),
             track_slots,
             track_steps,
             mode=mode,
@@ -76,9 +98,9 @@ class SpeculativeSteps:
         commit_lens, num = np.asarray(host[0]), np.asarray(num)
         samples = host_samples(host[1:], rows, mode)
         n = len(requests)
-        self.spec_counts["draft_tokens"] += int(num[:n].sum())
-        self.spec_counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
-        self.spec_counts["verify_rows"] += n
+        self.counts["draft_tokens"] += int(num[:n].sum())
+        self.counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
+        self.counts["verify_rows"] += n
         for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
             result.samples[r.request_id] = row[: commit_lens[i]]
             gated = r.request_id not in self.drafter.ungated
@@ -97,19 +119,19 @@ class SpeculativeSteps:
         if self.draftless_runs and n is not None and steady:
             samples, steps = self._until_recurs(output, batch, n)
         else:
-            samples = self.collect(self.dispatch_decode(output, steps=[1] * len(requests)))
-            samples, steps = samples.samples, np.ones(batch.slots.shape, np.int32)
+            samples = self._plain(output, [1] * len(requests))
+            steps = np.ones(batch.slots.shape, np.int32)
         self.drafter.rollback(batch.slots, steps)
         result.samples.update(samples)
         # Each step counts as the one-token verify it is synchronously: the metrics are those
         # of stepping one call at a time.
-        self.spec_counts["verify_rows"] += int(steps[: len(requests)].sum())
+        self.counts["verify_rows"] += int(steps[: len(requests)].sum())
         for r in requests:
             result.num_drafts[r.request_id] = 0
 
     def _until_recurs(self, output: SchedulerOutput, batch, n: int):
         """Run draftless rows' plain steps on device until some row's last n tokens recur
-        (`decode.decode_until_recurs`), at most each row's reserved window: one call and one
+        (`draftless.decode_until_recurs`), at most each row's reserved window: one call and one
         transfer instead of one per token. (samples by request, steps run per batch row)."""
         requests = output.decode
         b = batch.slots.shape[0]
@@ -125,15 +147,16 @@ class SpeculativeSteps:
             seq[i, : len(t)] = t
             length[i] = len(t)
         mode = sample_mode(requests)
-        picked, ran, self.cache = decode_until_recurs(
-            self.graphdef,
-            self.params,
+        state = self.state
+        picked, ran, state.cache = decode_until_recurs(
+            state.graphdef,
+            state.params,
             seq,
             length,
-            self.cache,
+            state.cache,
             batch,
             steps,
-            self._sampling_inputs(list(requests), b, mode)[0],
+            self.buckets.sampling(list(requests), b, mode)[0],
             num_steps=self.num_draft_tokens + 1,
             min_n=n,
             mode=mode,

@@ -36,7 +36,7 @@ from kimi_linear_jax.cache import KDAState, ModelCache
 from kimi_linear_jax.layers.block import scatter_rows, state_rows
 from kimi_linear_jax.layers.kda import commit, replay
 from kimi_linear_jax.model import commit_kda, merge
-from serving.sampling import (
+from serving.core.sampling import (
     SamplingBatch,
     apply_bias,
     apply_penalties,
@@ -44,7 +44,7 @@ from serving.sampling import (
     token_logprobs,
     truncation_mask,
 )
-from serving.sampling import sample as sample_tokens
+from serving.core.sampling import sample as sample_tokens
 
 # The verify's KDA commit -> what the window pass keeps for it (`layers.kda.decode`).
 COMMITS = {"replay": "inputs", "gather": "states"}

@@ -17,8 +17,8 @@ from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, BUILTIN_MODEL, load_model_
 from kimi_linear_jax.tokenizer import HFTokenizer
 from kimi_linear_jax.train import token_nll
 from serving.cli import main as cli_main
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 PROMPT = 'import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n'
 SHAPES = dict(max_num_seqs=2, num_pages=64)

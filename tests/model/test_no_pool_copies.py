@@ -22,8 +22,8 @@ from kimi_linear_jax.cache import contiguous_batch, init_cache
 from kimi_linear_jax.model import HashedGraph, decode_step, for_serving, prefill_step
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
-from serving.decode import decode_steps
-from serving.sampling import SamplingBatch, SamplingParams
+from serving.core.decode import decode_steps
+from serving.core.sampling import SamplingBatch, SamplingParams
 from serving.speculative.verify import verify_step
 
 SLOTS = 13

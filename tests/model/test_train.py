@@ -28,10 +28,10 @@ from kimi_linear_jax.train import (
     prepare_data,
     train,
 )
+from kimi_linear_jax.train_command import train_config
 from kimi_linear_jax.trainer import distill_kl
 from serving.cli import build_parser
 from serving.cli import main as cli_main
-from serving.train_command import train_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TC = TrainConfig(

@@ -15,8 +15,8 @@ import pytest
 
 from kimi_linear_jax.generation import greedy_generate
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.speculative.oracle import OracleDrafter
 from tests.parallel.test_model_parallel import CONFIG, base_model
 

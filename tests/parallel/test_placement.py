@@ -15,7 +15,8 @@ from flax import nnx
 from kimi_linear_jax import checkpoint
 from kimi_linear_jax.checkpoint import load_pretrained, save_pretrained
 from kimi_linear_jax.parallel.mesh import make_parallel
-from kimi_linear_jax.parallel.rules import init_cache, param_bytes_per_device, shard_model
+from kimi_linear_jax.parallel.rules import init_cache, shard_model
+from kimi_linear_jax.parallel.weights import param_bytes_per_device
 from serving.engine import LLM
 from tests.parallel.test_model_parallel import CONFIG, base_model
 

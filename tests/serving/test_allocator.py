@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from serving.allocator import NULL_PAGE, OutOfPagesError, PageAllocator, block_table_row
+from serving.core.allocator import NULL_PAGE, OutOfPagesError, PageAllocator, block_table_row
 
 
 def test_allocate_grows_and_never_hands_out_null_page():

@@ -19,8 +19,8 @@ import pytest
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.speculative.oracle import OracleDrafter
 from tests.serving import test_prefix_cache as cache_tests
 from tests.serving import test_speculative as spec_tests

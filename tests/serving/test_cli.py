@@ -14,8 +14,8 @@ import pytest
 from kimi_linear_jax.testing import make_tiny_checkpoint
 from serving import cli, generate_command
 from serving.cli import main
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 # One running sequence: every step has batch bucket 1, so the whole file compiles one prefill and
 # one decode shape (batch mode still runs its lines through one `generate` call).

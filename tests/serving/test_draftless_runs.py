@@ -1,6 +1,6 @@
 """Draftless runs: where prompt lookup proposes nothing, the n-gram engine runs plain decode
 steps on device until a step's token makes the request's last n tokens recur
-(`decode.decode_until_recurs`). Stepping one call at a time (`runner.draftless_runs = False`)
+(`draftless.decode_until_recurs`). Stepping one call at a time (`verifier.draftless_runs = False`)
 is the reference: every request proposes at the same positions (a run skips only positions
 where its lookup finds nothing), so the speculation metrics are the same, in fewer engine
 steps, and so are greedy outputs (tokens, logprobs, finish reasons). A sampled row draws a run's
@@ -16,8 +16,8 @@ import pytest
 
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.speculative.ngram import _ends, suffix_recurs
 from tests.serving.test_speculative import SHAPES as speculative_shapes
 
@@ -52,7 +52,7 @@ def _run(model, runs: bool, params, prompts=PROMPTS, **kw):
     """(tokens, logprobs, finish reason) per prompt and the metrics of an n-gram engine."""
     spec = kw.pop("speculative", {"method": "ngram", "num_draft_tokens": 4})
     llm = LLM(model, speculative=spec, **{**SHAPES, **kw})
-    llm.runner.draftless_runs = runs
+    llm.runner.verifier.draftless_runs = runs
     proposals = _spy_proposals(llm.runner.drafter)
     outs = llm.generate(prompts, params, use_tqdm=False)
     seen = [(o.token_ids, o.logprobs, o.finish_reason) for o in outs]

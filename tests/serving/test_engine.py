@@ -21,8 +21,8 @@ from kimi_linear_jax.model import forward
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM, RequestOutput
-from serving.sampling import SamplingParams
 
 PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
 MAX_TOKENS = 6
@@ -48,9 +48,9 @@ def make_llm(model, **kw):
 
 
 def assert_drained(llm):
-    assert llm.allocator.num_free == llm.allocator.capacity
-    llm.allocator.check_invariants()
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - 1
+    assert llm.cache.allocator.num_free == llm.cache.allocator.capacity
+    llm.cache.allocator.check_invariants()
+    assert llm.cache.state_pool.num_free == llm.cache.state_pool.num_slots - 1
     assert not llm.scheduler.has_unfinished()
 
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.server import BackgroundServer, build_app
 from tests.serving.test_server import SHAPES, TIMEOUT, metric
 
@@ -168,6 +168,9 @@ def test_bad_items_fail_alone_in_one_generate(offline_llm, items):
     for (is_good, _, _), out in zip(items, outs):
         if not is_good:
             assert out.finish_reason == "error" and out.error, out
-    assert llm.allocator.num_free + llm.allocator.num_tree_pages == llm.allocator.capacity
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - 1
+    assert (
+        llm.cache.allocator.num_free + llm.cache.allocator.num_tree_pages
+        == llm.cache.allocator.capacity
+    )
+    assert llm.cache.state_pool.num_free == llm.cache.state_pool.num_slots - 1
     assert not llm.has_unfinished_requests()

@@ -25,8 +25,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from kimi_linear_jax.presets import preset  # noqa: E402
 from kimi_linear_jax.testing import random_model  # noqa: E402
 from kimi_linear_jax.tokenizer import ByteTokenizer  # noqa: E402
+from serving.core.sampling import SamplingParams  # noqa: E402
 from serving.engine import LLM  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
 from serving.server import BackgroundServer, build_app  # noqa: E402
 from tests.serving.test_server import SHAPES  # noqa: E402  (one compile for both modules)
 

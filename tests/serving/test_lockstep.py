@@ -19,9 +19,9 @@ from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
 from serving import lockstep
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
 from serving.engine_loop import ACCEPTED, EngineLoop
-from serving.sampling import SamplingParams
 
 SHAPES = dict(
     num_pages=32,

@@ -16,8 +16,8 @@ from kimi_linear_jax.checkpoint import BUILTIN_MODEL
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import load_tokenizer
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.speculative.ngram import NgramDrafter
 from serving.speculative.ngram_table import (
     NgramTable,

@@ -9,8 +9,8 @@ import pytest
 
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 SHAPES = dict(num_pages=32, page_size=4, max_num_seqs=4, enable_prefix_caching=False)
 PROMPTS = [[5, 9, 2], [7] * 9, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]

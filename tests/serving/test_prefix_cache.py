@@ -12,11 +12,11 @@ import pytest
 from kimi_linear_jax.cache import CacheLayout
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
-from serving.allocator import PageAllocator
+from serving.core.allocator import PageAllocator
+from serving.core.prefix_cache import PrefixCache, branching_depth, checkpoint_depth
+from serving.core.sampling import SamplingParams
+from serving.core.track import checkpoint_grid, resolve_track_interval
 from serving.engine import LLM
-from serving.prefix_cache import PrefixCache, branching_depth, checkpoint_depth
-from serving.sampling import SamplingParams
-from serving.speculative.track import checkpoint_grid, resolve_track_interval
 
 # ---- the checkpoint grid -----------------------------------------------------------------------
 
@@ -157,9 +157,9 @@ def ref_of(llm_off_cache, prompt):
 
 def assert_drained(llm):
     assert llm.reset_prefix_cache()
-    assert llm.allocator.num_free == llm.allocator.capacity
-    llm.allocator.check_invariants()
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - 1
+    assert llm.cache.allocator.num_free == llm.cache.allocator.capacity
+    llm.cache.allocator.check_invariants()
+    assert llm.cache.state_pool.num_free == llm.cache.state_pool.num_slots - 1
 
 
 def test_shared_system_prompt_hits_and_matches(model, reference):
@@ -178,7 +178,7 @@ def test_shared_system_prompt_hits_and_matches(model, reference):
     # Idle: the cached prefix pages are counted apart, not as used (issue 36): no request
     # holds a page, and the cached ones are what the allocator does not have free.
     assert m["pages_used"] == 0 and m["pages_cached"] == m["prefix_cache_pages"] > 0
-    assert m["pages_cached"] == llm.allocator.capacity - llm.allocator.num_free
+    assert m["pages_cached"] == llm.cache.allocator.capacity - llm.cache.allocator.num_free
     assert_drained(llm)
 
 
@@ -228,8 +228,8 @@ def test_fused_decode_beside_a_prefill_donates_where_its_step_ends(model):
         o.token_ids for o in plain.generate([a, c, b], params, use_tqdm=False)
     ]
     for prompt, out in zip((a, c), outs, strict=False):
-        hit = llm.prefix_cache.lookup(prompt + out.token_ids)
-        llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+        hit = llm.cache.prefix_cache.lookup(prompt + out.token_ids)
+        llm.cache.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
         assert hit.depth == 64 and hit.checkpoint is not None, len(prompt)
     assert_drained(llm)
 
@@ -243,7 +243,7 @@ def test_eviction_under_a_small_pool_keeps_outputs(model):
     out_a = llm.generate([a], GREEDY, use_tqdm=False)[0].token_ids
     out_b = llm.generate([b], GREEDY, use_tqdm=False)[0].token_ids
     assert llm.metrics()["prefix_cache_evicted_pages"] > 0
-    llm.allocator.check_invariants()
+    llm.cache.allocator.check_invariants()
     assert out_a == ref_of(llm, a) and out_b == ref_of(llm, b)
     assert_drained(llm)
 

@@ -18,8 +18,8 @@ from flax import nnx
 from kimi_linear_jax.model import forward
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 
 # 70 tokens: four chunks of 16 and one of 6; past the prefix cache's checkpoint grid (64).
 PROMPT = [(7 * i) % 250 + 1 for i in range(70)]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from serving.sampling import (
+from serving.core.sampling import (
     MAX_LOGPROBS,
     SamplingBatch,
     SamplingParams,
@@ -394,7 +394,7 @@ def test_biased_draws_follow_the_biased_softmax():
 
 
 def test_logit_bias_forms_and_json_keys():
-    from serving.sampling import logit_bias_from_json
+    from serving.core.sampling import logit_bias_from_json
 
     assert SamplingParams(logit_bias={4: 1.5}).logit_bias == ((4, 1.5),)
     assert SamplingParams(logit_bias=[[4, 1.5]]).logit_bias == ((4, 1.5),)

@@ -16,10 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.allocator import NULL_PAGE, PageAllocator, block_table_row
-from serving.sampling import SamplingParams
-from serving.scheduler import PrefillChunk, Request, RequestStatus, Scheduler, SchedulerOutput
-from serving.state_pool import NULL_SLOT, StatePool
+from serving.core.allocator import NULL_PAGE, PageAllocator, block_table_row
+from serving.core.cache_manager import CacheManager
+from serving.core.sampling import SamplingParams
+from serving.core.scheduler import PrefillChunk, Request, RequestStatus, Scheduler, SchedulerOutput
+from serving.core.state_pool import NULL_SLOT, StatePool
 
 VOCAB = 50
 EOS = 7
@@ -55,11 +56,11 @@ class FakeRunner:
     def _compute(
         self, out: SchedulerOutput, request: Request, start: int, length: int, fresh: bool
     ) -> int | None:
-        alloc, tpp = self.sched.allocator, self.sched.allocator.tokens_per_page
+        alloc, tpp = self.sched.cache.allocator, self.sched.cache.allocator.tokens_per_page
         # A runner reads only the placement: the pool's slot and the allocator's pages.
         placed = out.placement[request.request_id]
         slot = placed.slot
-        assert slot == self.sched.state_pool.slot(request.request_id) and slot != NULL_SLOT
+        assert slot == self.sched.cache.state_pool.slot(request.request_id) and slot != NULL_SLOT
         assert list(placed.pages) == alloc.pages(request.request_id)
         assert (placed.start, placed.length) == (start, length)
         if fresh:
@@ -88,24 +89,28 @@ class FakeRunner:
 
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
-    sched.allocator.check_invariants()
+    sched.cache.allocator.check_invariants()
     assert out.num_batched_tokens <= sched.max_num_batched_tokens
     assert all(1 <= c.length <= sched.chunk_size for c in out.prefill)
     assert len(sched.running) <= sched.max_num_seqs
     ids = [r.request_id for r in out.rows]
     assert len(ids) == len(set(ids))
     assert all(r.status is RequestStatus.RUNNING for r in sched.running)
-    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1 - len(sched.running)
+    assert sched.cache.state_pool.num_free == sched.cache.state_pool.num_slots - 1 - len(
+        sched.running
+    )
     holders = {r.request_id for r in sched.running}
-    assert sum(len(sched.allocator.pages(rid)) for rid in holders) == sched.allocator.num_used
+    assert (
+        sum(len(sched.cache.allocator.pages(rid)) for rid in holders)
+        == sched.cache.allocator.num_used
+    )
 
 
 def make(
     num_pages=64, page_size=4, num_slots=9, *, budget=32, chunk=8, seqs=8, eos=(), mml=512, fuse=1
 ):
     return Scheduler(
-        PageAllocator(num_pages, page_size),
-        StatePool(num_slots),
+        CacheManager(PageAllocator(num_pages, page_size), StatePool(num_slots)),
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
         chunk_size=chunk,
@@ -124,14 +129,14 @@ def run(sched: Scheduler, arrivals: dict[int, list[Request]], max_steps=5000, on
         out = sched.schedule()
         check_invariants(sched, out)
         sched.update(out, runner.step(out))
-        sched.allocator.check_invariants()
+        sched.cache.allocator.check_invariants()
         if on_step:
             on_step(out)
         outs.append(out)
         step += 1
         assert step < max_steps, "scheduler did not finish"
-    assert sched.allocator.num_free == sched.allocator.capacity
-    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+    assert sched.cache.allocator.num_free == sched.cache.allocator.capacity
+    assert sched.cache.state_pool.num_free == sched.cache.state_pool.num_slots - 1
     assert not sched.running and not sched.waiting
     return outs
 
@@ -266,7 +271,7 @@ def test_abort_waiting_running_and_mid_step():
     out = sched.schedule()
     assert out.decode == [a] and len(a.output_token_ids) == 1
     assert sched.abort("r0") is a  # aborted while its step is in flight
-    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.cache.allocator.num_free == sched.cache.allocator.capacity
     assert sched.update(out, [5]) == [] and len(a.output_token_ids) == 1
     assert a.finish_reason == "abort" and sched.abort("r0") is None and sched.abort("zz") is None
     run(sched, {})
@@ -307,8 +312,8 @@ def test_stop_truncates_and_frees_a_running_or_just_finished_request():
     sched.stop(b, 1)
     assert b.output_token_ids == [6] and b.finish_reason == "stop"
     assert not sched.has_unfinished()
-    assert sched.allocator.num_free == sched.allocator.capacity
-    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+    assert sched.cache.allocator.num_free == sched.cache.allocator.capacity
+    assert sched.cache.state_pool.num_free == sched.cache.state_pool.num_slots - 1
 
 
 def test_validation_errors():
@@ -377,7 +382,7 @@ def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
     sched = make(num_pages=24, budget=16, fuse=4, eos=eos)
     for r in reqs:
         sched.add(r)
-    fused, tpp = [], sched.allocator.tokens_per_page
+    fused, tpp = [], sched.cache.allocator.tokens_per_page
     while sched.has_unfinished():
         out = sched.schedule()
         check_invariants(sched, out)
@@ -391,7 +396,7 @@ def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
         for r, n in zip(out.decode, out.decode_steps, strict=True):
             assert 1 <= n <= min(4, r.params.max_tokens - len(r.output_token_ids))
             pages = out.placement[r.request_id].pages
-            assert list(pages) == sched.allocator.pages(r.request_id)
+            assert list(pages) == sched.cache.allocator.pages(r.request_id)
             row = block_table_row(pages, 64)
             seq, tokens = list(r.all_token_ids), []
             for j in range(n):
@@ -405,7 +410,7 @@ def test_fused_decode_steps_have_pages_and_keep_outputs(eos):
     for r in reqs:
         want = expected_output(r.prompt_token_ids, r.params, eos)
         assert (r.output_token_ids, r.finish_reason) == want
-    assert sched.allocator.num_free == sched.allocator.capacity
+    assert sched.cache.allocator.num_free == sched.cache.allocator.capacity
 
 
 # ---- async scheduling: the next step is scheduled before the in-flight step's tokens come -----
@@ -444,8 +449,8 @@ class AsyncFakeRunner(FakeRunner):
         return sampled + [decoded[r.request_id] for r in out.decode]
 
     def _feed(self, out: SchedulerOutput, request: Request, pos: int, token: int) -> int:
-        placed, tpp = out.placement[request.request_id], self.sched.allocator.tokens_per_page
-        assert placed.slot == self.sched.state_pool.slot(request.request_id)
+        placed, tpp = out.placement[request.request_id], self.sched.cache.allocator.tokens_per_page
+        assert placed.slot == self.sched.cache.state_pool.slot(request.request_id)
         state = self.slot_state[placed.slot]
         assert len(state) == pos
         state.append(token)
@@ -496,8 +501,8 @@ def run_async(sched, arrivals, max_steps=5000, dispatch_first=lambda out: True) 
             sched.advance(out)
         else:
             sched.update(out, runner.step(out))
-    assert sched.allocator.num_free == sched.allocator.capacity
-    assert sched.state_pool.num_free == sched.state_pool.num_slots - 1
+    assert sched.cache.allocator.num_free == sched.cache.allocator.capacity
+    assert sched.cache.state_pool.num_free == sched.cache.state_pool.num_slots - 1
     return ahead, waited
 
 
@@ -572,22 +577,19 @@ def test_async_random_workloads(
 def test_failed_probes_back_off_exponentially_and_success_resets():
     """A request whose drafts all fail stops drafting once its acceptance EMA drops below the
     floor, then probes after 4, 8, 16, 32, 32 ... verifies (interval 4, back-off capped at
-    SPEC_MAX_PROBE_BACKOFF = 8 intervals); a probe that is accepted restores drafting and the
+    MAX_PROBE_BACKOFF = 8 intervals); a probe that is accepted restores drafting and the
     base interval."""
-    from serving.scheduler import SPEC_MAX_PROBE_BACKOFF
+    from serving.core.policy import MAX_PROBE_BACKOFF, DraftPolicy
 
     k, interval = 3, 4
     sched = Scheduler(
-        PageAllocator(512, 4),
-        StatePool(3),
+        CacheManager(PageAllocator(512, 4), StatePool(3)),
         max_num_seqs=2,
         max_num_batched_tokens=64,
         chunk_size=64,
         max_model_len=2048,
         num_decode_steps=k + 1,  # the verify window
-        speculative=True,
-        spec_min_acceptance=0.25,
-        spec_probe_interval=interval,
+        draft_policy=DraftPolicy(min_acceptance=0.25, probe_interval=interval),
     )
     request = Request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000))
     sched.add(request)
@@ -609,7 +611,7 @@ def test_failed_probes_back_off_exponentially_and_success_resets():
     run(200, accept=False)
     # 4 failed windows take the EMA from 1.0 under 0.25 (0.7 ** 4 = 0.24).
     gaps = [b - a for a, b in zip(drafted_at[3:], drafted_at[4:], strict=False)]
-    cap = interval * SPEC_MAX_PROBE_BACKOFF
+    cap = interval * MAX_PROBE_BACKOFF
     assert drafted_at[:4] == [0, 1, 2, 3]
     assert gaps[:5] == [interval, 2 * interval, 4 * interval, cap, cap], drafted_at
     first_probe = len(drafted_at)

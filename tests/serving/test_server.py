@@ -21,8 +21,8 @@ import pytest
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from kimi_linear_jax.tokenizer import ByteTokenizer
+from serving.core.sampling import SamplingParams
 from serving.engine import LLM
-from serving.sampling import SamplingParams
 from serving.server import BackgroundServer, build_app
 
 NAME = "tiny-test"

@@ -23,17 +23,17 @@ from kimi_linear_jax.cache import Batch, init_cache
 from kimi_linear_jax.model import decode_step, prefill_step
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
-from serving.engine import LLM
-from serving.sampling import SamplingBatch, SamplingParams
-from serving.speculative.ngram import ngram_lookup, ngram_lookup_reference
-from serving.speculative.oracle import OracleDrafter
-from serving.speculative.track import (
+from serving.core.sampling import SamplingBatch, SamplingParams
+from serving.core.track import (
     TrackPoint,
     can_track,
     checkpoint_grid,
     resolve_track_interval,
     track_point,
 )
+from serving.engine import LLM
+from serving.speculative.ngram import ngram_lookup, ngram_lookup_reference
+from serving.speculative.oracle import OracleDrafter
 from serving.speculative.verify import accept, target_probs, verify_step
 
 PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
@@ -71,9 +71,9 @@ def oracle(model, reference, wrong):
 
 
 def assert_drained(llm):
-    assert llm.allocator.num_free == llm.allocator.capacity
-    llm.allocator.check_invariants()
-    assert llm.state_pool.num_free == llm.state_pool.num_slots - 1
+    assert llm.cache.allocator.num_free == llm.cache.allocator.capacity
+    llm.cache.allocator.check_invariants()
+    assert llm.cache.state_pool.num_free == llm.cache.state_pool.num_slots - 1
 
 
 # ---- greedy with speculation == greedy without --------------------------------------------------
@@ -280,7 +280,7 @@ def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
         out = schedule()
         reserved.clear()
         for r in out.decode:  # pages held for the window, before the verify runs
-            reserved[r.request_id] = len(llm.allocator.pages(r.request_id))
+            reserved[r.request_id] = len(llm.cache.allocator.pages(r.request_id))
         return out
 
     llm.scheduler.schedule = recording_schedule
@@ -293,14 +293,14 @@ def test_pages_after_each_verify_follow_the_accepted_length(model, reference):
             if rid not in live:
                 continue
             want = min(-(-(prompts[rid] + emitted[rid]) // tokens_per_page), held)
-            assert len(llm.allocator.pages(rid)) == want, (rid, emitted[rid], held)
+            assert len(llm.cache.allocator.pages(rid)) == want, (rid, emitted[rid], held)
             verified += 1
             released += held > want
         if reserved and set(reserved) == live:  # every page in use is a verified row's
             want = sum(
                 min(-(-(prompts[r] + emitted[r]) // tokens_per_page), reserved[r]) for r in live
             )
-            assert llm.allocator.num_used == want
+            assert llm.cache.allocator.num_used == want
             whole += 1
     # Windows were rejected past a page boundary (else there would be nothing to release).
     assert verified > 0 and released > 0 and whole > 0, (verified, released, whole)
@@ -340,7 +340,7 @@ def test_without_commit_output_drifts(model, reference):
     """The same run with the recurrent commit switched off gives other tokens: the tests above
     would see drift."""
     llm = spec_llm(model, oracle(model, reference, ERRORS["error_at_1"]))
-    llm.runner.commit_recurrent = False
+    llm.runner.verifier.commit_recurrent = False
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] != reference
 
 
@@ -836,7 +836,7 @@ def test_resting_rows_lag_and_catch_up(monkeypatch):
     plain = LLM(attn, **shapes)
     spec = {"method": "draft_model", "num_draft_tokens": 3, "model": attn, "min_acceptance": 0}
     llm = LLM(attn, speculative=spec, **shapes)
-    assert llm.prefix_cache is not None and llm.track_interval == 64
+    assert llm.cache.prefix_cache is not None and llm.track_interval == 64
     max_drafts, calls = llm.scheduler._max_drafts, collections.Counter()
 
     def rests(request, room):
@@ -852,8 +852,8 @@ def test_resting_rows_lag_and_catch_up(monkeypatch):
     assert first == [o.token_ids for o in plain.generate([a, c], params, use_tqdm=False)]
     b = a + first[0][:30]
     # A's pages up to its checkpoint hold the same latents in the draft as in the target.
-    hit = llm.prefix_cache.lookup(b)
-    llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+    hit = llm.cache.prefix_cache.lookup(b)
+    llm.cache.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
     pages = np.asarray(hit.pages)
     assert len(pages) == 16
     for target, draft in zip(llm.runner.cache.mla, llm.runner.drafter.cache.mla, strict=True):
@@ -901,7 +901,7 @@ def test_kda_draft_snapshots_at_track_points(model):
     truth = {tuple(p): o.token_ids for p, o in zip(prompts.values(), plain, strict=True)}
     spec = {**_lookup_spec(model), "num_draft_tokens": 3, "prompt_lookup_num_tokens": 3}
     llm = LLM(model, speculative=spec, **shapes)
-    assert llm.prefix_cache is not None and llm.track_interval == 64
+    assert llm.cache.prefix_cache is not None and llm.track_interval == 64
     llm.runner.drafter.lookup = _LookupFor({60}, truth, model.config.vocab_size, lambda p: False)
     max_drafts = llm.scheduler._max_drafts
 
@@ -914,8 +914,8 @@ def test_kda_draft_snapshots_at_track_points(model):
     assert llm.metrics()["spec_lookup_draft_tokens"] > 0
     llm.scheduler._max_drafts = max_drafts
     for name, o in zip(prompts, out, strict=True):
-        hit = llm.prefix_cache.lookup(prompts[name] + o.token_ids)
-        llm.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
+        hit = llm.cache.prefix_cache.lookup(prompts[name] + o.token_ids)
+        llm.cache.prefix_cache.end_step([hit])  # a look only: unlock its checkpoint
         assert hit.depth == 64 and hit.checkpoint is not None, name
         for target, draft in zip(llm.runner.cache.kda, llm.runner.drafter.cache.kda, strict=True):
             for field, t, d in zip(target._fields, target, draft, strict=True):

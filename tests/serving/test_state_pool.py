@@ -8,7 +8,7 @@ import pytest
 from kimi_linear_jax.cache import KDAState, init_kda_state
 from kimi_linear_jax.layers.block import state_rows
 from kimi_linear_jax.presets import preset
-from serving.state_pool import NULL_SLOT, OutOfSlotsError, StatePool, copy_rows, reset_slots
+from serving.core.state_pool import NULL_SLOT, OutOfSlotsError, StatePool, copy_rows, reset_slots
 
 NUM_SLOTS = 6
 SENTINEL = -7.25  # exactly representable: untouched slots must come back bit-identical

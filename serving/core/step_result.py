@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serving.prompt_logprobs import Entries
-from serving.request import Request
-from serving.sampling import GREEDY_EPS
-from serving.scheduler import SchedulerOutput
+from serving.core.prompt_logprobs import Entries
+from serving.core.request import Request
+from serving.core.sampling import GREEDY_EPS
+from serving.core.scheduler_output import SchedulerOutput
 
 
 class Sample(NamedTuple):

@@ -167,7 +167,7 @@ def compiled_peak(
     """The larger activation peak of the two largest steps at `plan`'s shapes: temporaries
     plus outputs that are not donated buffers, per device. None if the backend reports none.
     `place`: maps each step's abstract arguments onto the devices to compile for (a GPU
-    target's, `serving.target_plan`); by default they are the model's own."""
+    target's, `kimi_linear_jax.parallel.target_plan`); by default they are the model's own."""
     layout = plan.layout()
     width = layout.pages_for(plan.max_model_len)
     graphdef, params = nnx.split(model)
@@ -210,7 +210,7 @@ def _batch(rows: int, width: int) -> Batch:
 
 def _abstract_cache(model, layout: CacheLayout):
     """The runner's cache as shapes (with its shardings): nothing is allocated."""
-    from kimi_linear_jax import cache as cache_lib
+    import kimi_linear_jax.cache as cache_lib
 
     shapes = jax.eval_shape(
         lambda: cache_lib.init_cache(
@@ -228,4 +228,15 @@ def _abstract_cache(model, layout: CacheLayout):
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes,
         rules.shardings(specs, model.par.mesh),
+    )
+
+
+def pool_line(layout: CacheLayout, plan: MemoryPlan | None) -> str:
+    """The engine's start-up log line: the plan, or the fixed pools and why."""
+    if plan is not None:
+        return plan.summary()
+    return (
+        f"pools fixed: {layout.num_pages} pages = {layout.pool_tokens} tokens, "
+        f"{layout.num_slots} state slots, max_num_seqs {layout.max_num_seqs} (num_pages given, "
+        "or no device memory known: pass --device-memory, or device_memory= in Python, to plan)"
     )

@@ -11,6 +11,7 @@ estimates it. Needs the gpu-compile extra (`make gpu-compile` installs it in .ve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -22,12 +23,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kimi_linear_jax.parallel import rules
 from kimi_linear_jax.parallel.mesh import make_parallel
 from kimi_linear_jax.parallel.plan import BATCH_BUCKETS, MemoryPlan
-from serving.memory import PoolOptions, compiled_peak, measured_plan
-from serving.step_compile import gpu_backend
+from kimi_linear_jax.parallel.pools import PoolOptions, compiled_peak, measured_plan
 
 # The engine's defaults for what shapes its largest steps (`LLM`'s arguments).
 ENGINE_CHUNK_SIZE = 64
 ENGINE_TOKEN_BUCKETS = (16, 64, 256)
+
+
+@contextlib.contextmanager
+def gpu_backend():
+    """`jax.default_backend()` says "gpu": the trace-time choices of the model's ops follow."""
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
 
 
 def target_plan(config, kw: dict, *, target: str) -> MemoryPlan:
@@ -70,10 +81,10 @@ def target_plan(config, kw: dict, *, target: str) -> MemoryPlan:
 def _abstract_model(config, dtype, par):
     """The model as shapes, its parameters carrying their shardings on `par`'s mesh."""
     from kimi_linear_jax.model import KimiLinearForCausalLM
-    from kimi_linear_jax.parallel.rules import _OneKey
+    from kimi_linear_jax.parallel.weights import OneKey
 
     abstract = nnx.eval_shape(
-        lambda: KimiLinearForCausalLM(config, dtype=dtype, rngs=_OneKey(), par=par)
+        lambda: KimiLinearForCausalLM(config, dtype=dtype, rngs=OneKey(), par=par)
     )
     graphdef, state = nnx.split(abstract)
     if par.sharded:

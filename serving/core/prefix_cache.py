@@ -25,8 +25,8 @@ import itertools
 import math
 from collections.abc import Hashable
 
-from serving.allocator import PageAllocator
-from serving.speculative.track import KDA_CHUNK
+from serving.core.allocator import PageAllocator
+from serving.core.track import KDA_CHUNK
 
 
 def checkpoint_depth(prefix_len: int, extend_len: int, state_chunk: int, tree_page: int):

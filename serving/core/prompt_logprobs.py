@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling import MAX_LOGPROBS, token_logprobs
-from serving.scheduler import PrefillChunk
+from serving.core.sampling import MAX_LOGPROBS, token_logprobs
+from serving.core.scheduler_output import PrefillChunk
 
 # A request's prompt logprobs from one chunk: (index of the first entry, its entries).
 Entries = tuple[int, list[dict[int, float]]]

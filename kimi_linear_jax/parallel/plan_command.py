@@ -109,7 +109,7 @@ def cmd_plan(args) -> int:
     if args.target is None:
         plan = plan_memory(config, **kw)
     else:
-        from serving.target_plan import target_plan
+        from kimi_linear_jax.parallel.target_plan import target_plan
 
         plan = target_plan(config, kw, target=args.target)
     print(json.dumps(plan.to_dict()) if args.json else plan.table())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
-from serving.request import Request
-from serving.speculative.track import TrackPoint
+from serving.core.request import Request
+from serving.core.track import TrackPoint
 
 
 @dataclasses.dataclass(frozen=True)

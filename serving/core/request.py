@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # sampling imports JAX; a request only holds its parameters
-    from serving.sampling import SamplingParams
+    from serving.core.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
