@@ -14,7 +14,6 @@ import functools
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import resource
@@ -29,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import serving.runner as runner_mod
-from benchmarks.harness import Suite, Table, add_ratio, interleaved, ints, repeats
+from benchmarks.harness import Suite, Table, add_ratio, batch_shapes, interleaved, ints, repeats
 from kimi_linear_jax.checkpoint import save_pretrained
 from kimi_linear_jax.config import KimiLinearConfig
 from kimi_linear_jax.presets import preset
@@ -162,19 +161,9 @@ def throughput_engine(path: str, batches: list[int], prompt_len: int, n: int, **
     """An engine whose largest batch prefills in one [B, prompt_len] call and then decodes
     together: no chunking, batch buckets the measured batch sizes, one token bucket, block
     tables as wide as a request needs, prefix caching off (timed runs repeat prompts)."""
-    top, page = max(batches), 16
     return LLM(
         path,
-        dtype="float32",
-        max_num_seqs=top,
-        page_size=page,
-        num_pages=top * math.ceil((prompt_len + n) / page) + 2,
-        max_num_batched_tokens=top * prompt_len,
-        max_model_len=prompt_len + n,
-        chunk_size=prompt_len,
-        batch_buckets=sorted(set(batches)),
-        token_buckets=(prompt_len,),
-        enable_prefix_caching=False,
+        **batch_shapes(batches, prompt_len, n),
         **extra,
     )
 

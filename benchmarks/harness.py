@@ -357,6 +357,25 @@ class Suite:
         return 0 if rc == 0 else len(names)
 
 
+def batch_shapes(batches: Sequence[int], prompt_len: int, n: int) -> dict[str, Any]:
+    """`LLM` options under which the largest batch prefills in one [B, prompt_len] call and
+    then decodes together: no chunking, batch buckets the measured batch sizes, one token
+    bucket, pages for prompt + n per row, prefix caching off (timed runs repeat prompts)."""
+    top, page = max(batches), 16
+    return dict(
+        dtype="float32",
+        max_num_seqs=top,
+        page_size=page,
+        num_pages=top * -(-(prompt_len + n) // page) + 2,
+        max_num_batched_tokens=top * prompt_len,
+        max_model_len=prompt_len + n,
+        chunk_size=prompt_len,
+        batch_buckets=tuple(sorted(set(batches))),
+        token_buckets=(prompt_len,),
+        enable_prefix_caching=False,
+    )
+
+
 def host_devices() -> int:
     """Emulated CPU devices this process has (from XLA_FLAGS, without starting JAX)."""
     m = re.search(DEVICE_FLAG + r"=(\d+)", os.environ.get("XLA_FLAGS", ""))

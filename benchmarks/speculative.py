@@ -27,7 +27,7 @@ from flax import nnx
 import serving.runner as runner_mod
 import serving.speculative.draft_model as draft_mod
 import serving.speculative.steps as steps_mod
-from benchmarks.harness import Suite, Table, add_ratio, interleaved, ints, repeats
+from benchmarks.harness import Suite, Table, add_ratio, batch_shapes, interleaved, ints, repeats
 from kimi_linear_jax import corpus, load_pretrained
 from kimi_linear_jax.cache import contiguous_batch, init_cache
 from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, BUILTIN_MODEL, save_pretrained
@@ -263,19 +263,7 @@ def oracle(args) -> list[Table]:
     config = preset(name)
     model = random_model(config, seed=0, dtype=jnp.float32)
     draft = random_model(preset("tiny", vocab_size=config.vocab_size), seed=7)
-    top, page = max(batches), 16
-    shapes = dict(
-        dtype="float32",
-        max_num_seqs=top,
-        page_size=page,
-        num_pages=top * math.ceil((prompt_len + n) / page) + 2,
-        max_num_batched_tokens=top * prompt_len,
-        max_model_len=prompt_len + n,
-        chunk_size=prompt_len,
-        batch_buckets=tuple(batches),
-        token_buckets=(prompt_len,),
-        enable_prefix_caching=False,  # timed runs repeat prompts
-    )
+    shapes = batch_shapes(batches, prompt_len, n)
     rng, vocab = np.random.default_rng(0), config.vocab_size
     ordinary = {b: rng.integers(0, vocab, (b, prompt_len)).tolist() for b in batches}
     repetitive = {
