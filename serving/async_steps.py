@@ -41,13 +41,13 @@ class AsyncSteps:
         """Run a step scheduled with every token known. A plain decode step stays in flight
         (the next call dispatches the following step before fetching its tokens) if it
         compiles to the same program without any of its rows; any other step runs now."""
+        if not (output.is_plain_decode and self.runner.same_program_for_any_rows(output)):
+            return self.core.run(output, touched)  # fails the step itself on a fault
         try:
-            if output.is_plain_decode and self.runner.same_program_for_any_rows(output):
-                self._flight = self._launch(output, None)
-                return []
-            return self.core.run(output, touched)
+            self._flight = self._launch(output, None)
         except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
             return self.core.fail(output, e)
+        return []
 
     def _step_ahead(self, flight: InFlight, touched: list[str]) -> list[str]:
         """Dispatch the next plain decode step, then collect `flight`'s tokens. Unless the

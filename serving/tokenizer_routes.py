@@ -55,12 +55,14 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
             ids = await asyncio.to_thread(_encode, tok, body)
         except ValueError as e:
             raise bad_request(str(e), "messages" if body.messages else "prompt") from e
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        strs = None
+        if body.return_token_strs:  # a decode per token: only when asked
+            strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
         return {
             "count": len(ids),
             "max_model_len": server.llm.max_model_len,
             "tokens": ids,
-            "token_strs": strs if body.return_token_strs else None,
+            "token_strs": strs,
         }
 
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -60,10 +60,6 @@ class CacheManager:
 
     # ---- pages -----------------------------------------------------------------------------
 
-    @property
-    def tokens_per_page(self) -> int:
-        return self.allocator.tokens_per_page
-
     def pages_for(self, num_tokens: int) -> int:
         return self.allocator.pages_for(num_tokens)
 
@@ -243,8 +239,3 @@ class CacheManager:
         for slot, _ in output.track.values():
             cache.release_slot(slot)
         cache.end_step(output.hits)
-
-    # ---- for metrics and checks ------------------------------------------------------------
-
-    def check_invariants(self) -> None:
-        self.allocator.check_invariants()
