@@ -18,6 +18,10 @@ SUITES = {
         "n-gram / draft model / oracle vs plain decoding, verify window price, verify "
         "commit, draft price",
     ),
+    "windows": (
+        "benchmarks.windows",
+        "verify window shapes: fixed widths vs cost-aware widths vs draft trees",
+    ),
     "prefix": ("benchmarks.prefix", "prefix cache on vs off: TTFT and prefill tokens saved"),
     "server": ("benchmarks.server", "server load (req/s, TTFT, ITL) and hostile input costs"),
     "kernel": (

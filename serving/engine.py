@@ -42,6 +42,7 @@ from serving.loading import _check_draft_pairing, _config_of, _draft_plan, _load
 from serving.output import OutputProcessor, RequestOutput
 from serving.runner import ModelRunner
 from serving.speculative.config import SpeculativeConfig
+from serving.speculative.widths import WidthPolicy
 
 log = logging.getLogger("kimi_linear_jax.engine")
 
@@ -207,7 +208,14 @@ class LLM:
             num_decode_steps=options["num_scheduler_steps"],
             drafter=drafter,
             num_draft_tokens=k,
+            widths=WidthPolicy(k) if spec and spec.width_policy == "cost" else None,
         )
+        policy = DraftPolicy(spec.min_acceptance) if spec else None
+        if runner.widths is not None:
+            # The curve at start-up: one row, and the most rows a step can hold.
+            rows = sorted({1, runner.buckets.rows(self.max_num_seqs)})
+            runner.verifier.profile(rows)
+            policy = DraftPolicy(runner.widths.break_even(1), by="alpha")
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)
         else:
@@ -221,7 +229,7 @@ class LLM:
             eos_token_ids=eos,
             # Speculative rows reserve their whole window: the last token plus k drafts.
             num_decode_steps=k + 1 if spec else options["num_scheduler_steps"],
-            draft_policy=DraftPolicy(spec.min_acceptance) if spec else None,
+            draft_policy=policy,
         )
         counters = dict.fromkeys(COUNTERS, 0)
         counters["step_seconds"] = 0.0

@@ -12,6 +12,7 @@ before applying its tokens. `LLM` and the server's loop are fronts over this obj
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -73,9 +74,22 @@ class EngineCore:
     def run(self, output: SchedulerOutput, touched: list[str]) -> list[str]:
         """Run the scheduled step and apply its tokens (a fault fails the step alone)."""
         try:
-            return self.apply(output, self.runner.run(output), touched)
+            result = self.runner.run(output)
+            self._rest_below_break_even(output)
+            return self.apply(output, result, touched)
         except Exception as e:  # noqa: BLE001 - any fault: fail the step, keep the engine
             return self.fail(output, e)
+
+    def _rest_below_break_even(self, output: SchedulerOutput) -> None:
+        """Cost-aware widths: requests rest below the acceptance at which a window stops
+        paying, which the refreshed cost curve moves (at the step's batch size)."""
+        widths = self.runner.widths
+        if widths is None or not output.decode:
+            return
+        rows = self.runner.buckets.rows(len(output.decode))
+        policy = self.scheduler.draft_policy
+        threshold = widths.break_even(rows)
+        self.scheduler.draft_policy = dataclasses.replace(policy, min_acceptance=threshold)
 
     def apply(self, output: SchedulerOutput, result: StepResult, touched: list[str]) -> list[str]:
         """Apply a step's tokens (scheduler, logprobs, stop strings); the ids it advanced."""

@@ -80,6 +80,7 @@ class ModelRunner:
         num_decode_steps: int = 1,
         drafter=None,
         num_draft_tokens: int = 0,
+        widths=None,
     ) -> None:
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
@@ -111,6 +112,7 @@ class ModelRunner:
                 num_draft_tokens=num_draft_tokens,
                 commit_recurrent=model.has_recurrent_state,
                 plain=self._plain_samples,
+                widths=widths,
             )
 
     # The state's parts, by the names the steps' callers and the tests use.
@@ -119,6 +121,11 @@ class ModelRunner:
     cache = property(
         lambda self: self.state.cache, lambda self, value: setattr(self.state, "cache", value)
     )
+
+    @property
+    def widths(self):
+        """The cost-aware width policy (`speculative/widths.py`), or None."""
+        return None if self.verifier is None else self.verifier.widths
 
     @property
     def spec_counts(self) -> dict:

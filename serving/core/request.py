@@ -27,6 +27,10 @@ def acceptance_ema(previous: float, rate: float) -> float:
     return 0.7 * previous + 0.3 * rate
 
 
+# Decay of `spec_hits` and `spec_trials` per window: about the last five windows count.
+ALPHA_DECAY = 0.8
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request; the scheduler owns its mutable fields once added."""
@@ -54,8 +58,20 @@ class Request:
     spec_acceptance: float = 1.0
     spec_skipped: int = 0
     spec_probe_after: int = 0
+    # The per-draft acceptance estimate of cost-aware widths (`spec_alpha`): accepted drafts
+    # and trials (a trial per accepted draft, plus one for the draft that was rejected), each
+    # an EMA over the request's windows.
+    spec_hits: float = 0.0
+    spec_trials: float = 0.0
     # What a drafter keeps per request (the n-gram drafter: its corpus table's record).
     drafter_state: object = None
+
+    @property
+    def spec_alpha(self) -> float:
+        """P(a draft is accepted | the one before it was): the truncated-geometric estimate
+        hits / trials with a uniform prior (one hit, one miss), so a new request starts at
+        0.5 and a few windows outweigh the prior."""
+        return (self.spec_hits + 1.0) / (self.spec_trials + 2.0)
 
     @property
     def num_tokens(self) -> int:

@@ -199,7 +199,10 @@ class Scheduler:
         # Penalised rows do not speculate: their counts would change inside the window.
         room = 0 if request.params.has_penalty else room
         drafts, request.spec_skipped, request.spec_probe_after = self.draft_policy.drafts(
-            room, request.spec_acceptance, request.spec_skipped, request.spec_probe_after
+            room,
+            self.draft_policy.acceptance(request),
+            request.spec_skipped,
+            request.spec_probe_after,
         )
         return drafts
 
@@ -325,9 +328,7 @@ class Scheduler:
             n = num_drafts.get(request.request_id, 0)
             if n > 0:
                 accepted = len(sampled[request.request_id]) - 1
-                request.spec_acceptance = self.draft_policy.update(
-                    request.spec_acceptance, accepted / n
-                )
+                self.draft_policy.record(request, accepted, n)
 
     def stop(self, request: Request, num_output_tokens: int, reason: str = "stop") -> None:
         """End `request` after its first `num_output_tokens` outputs (a stop string found on

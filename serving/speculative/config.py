@@ -10,6 +10,7 @@ from serving.speculative.ngram import NgramDrafter
 from serving.speculative.ngram_table import NgramTable, table_from_corpus
 
 METHODS = ("ngram", "draft_model")
+WIDTH_POLICIES = ("fixed", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,11 @@ class SpeculativeConfig:
     # a built `NgramTable`), up to `corpus_num_tokens` drafts; None: prompt lookup alone.
     corpus: object = None
     corpus_num_tokens: int = 2
+    # "fixed": every drafting row gets up to num_draft_tokens drafts per window; "cost": each
+    # step's width (0 = a plain step) maximises expected tokens per second on a cost curve
+    # profiled at start-up and refreshed from the steps' times (`widths.py`), and requests
+    # rest below the curve's break-even acceptance instead of `min_acceptance`.
+    width_policy: str = "fixed"
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -89,6 +95,11 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.width_policy not in WIDTH_POLICIES:
+            raise ValueError(
+                f"speculative width_policy must be one of {WIDTH_POLICIES}, "
+                f"got {self.width_policy!r}"
+            )
         if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(
                 f"speculative num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}"

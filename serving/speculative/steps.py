@@ -16,16 +16,25 @@ decode through the runner's `plain(output, steps)`.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from serving.core.buckets import Buckets
+from kimi_linear_jax.cache import Batch
+from serving.core.allocator import NULL_PAGE
+from serving.core.buckets import MIN_TABLE_WIDTH, Buckets
+from serving.core.decode import decode_steps
 from serving.core.device_state import DeviceState
 from serving.core.request import Request
 from serving.core.scheduler_output import SchedulerOutput
+from serving.core.state_pool import NULL_SLOT
 from serving.core.step_result import StepResult, host_samples, sample_mode
 from serving.speculative.draftless import decode_until_recurs
 from serving.speculative.verify import verify_step
+from serving.speculative.widths import WidthPolicy
 
 # Smallest width of the token history a draftless run checks for recurrence (`_until_recurs`).
 MIN_HISTORY = 256
@@ -43,8 +52,10 @@ class Verifier:
         num_draft_tokens: int,
         commit_recurrent: bool,
         plain,
+        widths: WidthPolicy | None = None,
     ) -> None:
         self.state, self.buckets, self.drafter = state, buckets, drafter
+        self.widths = widths  # cost-aware widths; None: each row drafts its room
         self.num_draft_tokens = num_draft_tokens
         self.commit_recurrent = commit_recurrent
         self._plain = plain
@@ -54,18 +65,26 @@ class Verifier:
         self.draftless_runs = True
 
     def run(self, output: SchedulerOutput, result: StepResult) -> None:
-        """Speculative decode: drafts, then one verify window per row, accepted on device."""
+        """Speculative decode: drafts, then one verify window per row, accepted on device.
+        With cost-aware widths (`self.widths`), the window is as wide as pays (maybe none),
+        and the step's time refreshes the cost curve."""
+        t0 = time.perf_counter()
         requests = output.decode
         b, batch = self.buckets.batch([output.placement[r.request_id] for r in requests])
         last = np.zeros(b, np.int32)
         for i, r in enumerate(requests):
             last[i] = r.all_token_ids[-1]
-        k = self.num_draft_tokens
+        k, max_drafts = self.num_draft_tokens, output.max_drafts
+        if self.widths is not None:  # a first choice on room alone: what the drafter may draft
+            k, max_drafts = self._narrow(output, max_drafts, b)
         tracked = [i for i, r in enumerate(requests) if r.request_id in output.track]
-        drafts, num = self.drafter.propose(requests, output.max_drafts, batch, k, tracked)
+        drafts, num = self.drafter.propose(requests, max_drafts, batch, max(k, 1), tracked)
+        drafted = bool(np.asarray(num).any())
+        if self.widths is not None:  # the choice on what it did draft
+            k, drafts, num = self._fit(output, drafts, num, b)
         if not np.asarray(num).any():
             if not output.track:
-                return self._draftless(output, batch, result)
+                return self._draftless(output, batch, result, t0, runs=not drafted)
             drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
         mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
@@ -105,18 +124,110 @@ class Verifier:
             result.samples[r.request_id] = row[: commit_lens[i]]
             gated = r.request_id not in self.drafter.ungated
             result.num_drafts[r.request_id] = int(num[i]) if gated else 0
+        if self.widths is not None:
+            self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
 
-    def _draftless(self, output: SchedulerOutput, batch, result: StepResult) -> None:
+    def _narrow(self, output: SchedulerOutput, max_drafts, b: int):
+        """(width, each row's most drafts) chosen on the rows' room and acceptance. Probing
+        rows draft one token at least: a probe is what tells whether a resting request's
+        drafts got better."""
+        alphas = [r.spec_alpha for r in output.decode]
+        w = self.widths.choose(alphas, max_drafts, b)
+        if w == 0 and output.probes:
+            probes = [r.request_id in output.probes for r in output.decode]
+            return 1, [min(n, 1) if p else 0 for n, p in zip(max_drafts, probes, strict=True)]
+        return w, [min(n, w) for n in max_drafts]
+
+    def _fit(self, output: SchedulerOutput, drafts, num, b: int):
+        """(width, drafts [B, width], num) with the width chosen again on the drafts each row
+        proposed (an n-gram finds fewer than its room), padded to that compiled width."""
+        num = np.asarray(num)
+        n = len(output.decode)
+        alphas = [r.spec_alpha for r in output.decode]
+        w = self.widths.choose(alphas, num[:n].tolist(), b)
+        if w == 0 and output.probes:
+            w = 1 if num.any() else 0
+        num = np.minimum(num, w)
+        xp = jnp if isinstance(drafts, jax.Array) else np
+        drafts = drafts[:, :w]
+        if drafts.shape[1] < w:
+            drafts = xp.pad(drafts, ((0, 0), (0, w - drafts.shape[1])))
+        return w, drafts, num
+
+    def profile(self, rows, repeats: int = 5) -> None:
+        """Seed the cost curve: a plain step and a window of each candidate width, for batches
+        of each of `rows`, on padding rows (same programs, same work; nothing is written),
+        the median of `repeats` calls after a compiling one."""
+        for b in rows:
+            batch = Batch(
+                np.full(b, NULL_SLOT, np.int32),
+                np.full((b, MIN_TABLE_WIDTH), NULL_PAGE, np.int32),
+                np.zeros(b, np.int32),
+                np.zeros(b, np.int32),
+            )
+            sampling = self.buckets.sampling([], b, "greedy")
+            for w in (0, *self.widths.widths):
+                call = functools.partial(self._padding_step, w, batch, sampling)
+                seconds = self._time(call, repeats)
+                self.widths.curve.observe(w, b, seconds)
+
+    def _padding_step(self, w: int, batch, sampling):
+        state, b = self.state, batch.slots.shape[0]
+        zeros = np.zeros(b, np.int32)
+        if w == 0:
+            out, _, state.cache = decode_steps(
+                state.graphdef,
+                state.params,
+                zeros,
+                state.cache,
+                batch,
+                zeros,
+                *sampling,
+                num_steps=1,
+                mode="greedy",
+            )
+            return out
+        out, state.cache = verify_step(
+            state.graphdef,
+            state.params,
+            zeros,
+            np.zeros((b, w), np.int32),
+            zeros,
+            state.cache,
+            batch,
+            *sampling,
+            zeros - 1,
+            zeros - 1,
+            mode="greedy",
+            commit_recurrent=self.commit_recurrent,
+            track=False,
+        )
+        return out
+
+    @staticmethod
+    def _time(call, repeats: int) -> float:
+        jax.block_until_ready(call())  # compiles
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    def _draftless(
+        self, output: SchedulerOutput, batch, result: StepResult, t0: float, runs: bool = True
+    ) -> None:
         """No row drafted (nothing recurs, or adaptive drafting stopped them all): the window
         is each row's last token alone, which the plain decode step computes for less than a
         verify program (no window, no acceptance, no commit). A drafter with a cache keeps
         its one step. Where the drafter's next proposal is foreseeable on device and every row
         may draft in every step (none rests or probes), the steps go on there until one would
-        (`_until_recurs`)."""
+        (`_until_recurs`). `runs` False: one plain step (cost-aware widths chose none
+        although rows drafted: their suffixes recur, so a run would stop at once)."""
         requests = output.decode
         n = self.drafter.recurrence_n
         steady = all(output.max_drafts) and not output.probes
-        if self.draftless_runs and n is not None and steady:
+        if runs and self.draftless_runs and n is not None and steady:
             samples, steps = self._until_recurs(output, batch, n)
         else:
             samples = self._plain(output, [1] * len(requests))
@@ -128,6 +239,9 @@ class Verifier:
         self.counts["verify_rows"] += int(steps[: len(requests)].sum())
         for r in requests:
             result.num_drafts[r.request_id] = 0
+        if self.widths is not None:  # per plain step: a run's steps are each one
+            seconds = (time.perf_counter() - t0) / max(int(steps.max()), 1)
+            self.widths.curve.observe(0, int(batch.slots.shape[0]), seconds)
 
     def _until_recurs(self, output: SchedulerOutput, batch, n: int):
         """Run draftless rows' plain steps on device until some row's last n tokens recur

@@ -1,0 +1,144 @@
+"""Verify window shapes: fixed chain widths, cost-aware widths and draft trees, against plain
+decoding in the same run.
+
+    python -m benchmarks windows [--only oracle code] [--quick]
+
+oracle: the ``small`` preset with random weights and an oracle drafter that replays plain
+decoding's continuation, each draft wrong independently with probability 1 - A (so A is the
+per-draft acceptance), at several A: plain, a fixed k of each candidate width and cost-aware
+widths over the same candidates. code: the built-in model and its draft on held-out code.
+Greedy, EOS ignored; every run's tokens are compared with plain decoding's ("identical");
+speedup = decode tok/s over plain's, from the same interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.harness import Suite, Table, add_ratio, batch_shapes, ints, repeats
+from benchmarks.speculative import (
+    acceptance_columns,
+    decode_rates,
+    generate_run,
+    hash_wrong,
+    held_out_prompts,
+)
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
+from serving.engine import LLM
+from serving.speculative.oracle import OracleDrafter
+from serving.speculative.widths import candidate_widths
+
+SUITE = Suite("windows", __doc__)
+SUITE.option("--k", type=int, help="the most drafts per window (oracle: 8, code: 8)")
+SUITE.option("--max-tokens", type=int, help="new tokens per prompt (oracle: 64, code: 128)")
+SUITE.option("--batches", help="batch sizes (1,8)")
+SUITE.option("--rates", default="0,0.25,0.5,0.75,0.9,1", help="oracle: per-draft acceptance")
+SUITE.option("--prompts", type=int, help="code: held-out prompts (6)")
+
+
+def _cost_row(rows: list[dict]) -> None:
+    """Give each cost-aware row ("<drafter> cost ...") its speed over the fastest fixed
+    width of the same drafter ("<drafter> fixed ...") in the same rounds."""
+    for r in rows:
+        drafter, _, rest = r["config"].partition(" ")
+        if not rest.startswith("cost"):
+            continue
+        fixed = [f for f in rows if f["config"].startswith(f"{drafter} fixed")]
+        if fixed:
+            best = max(fixed, key=lambda f: f["decode_tok_s"])
+            r["vs_best_fixed"] = r["decode_tok_s"] / best["decode_tok_s"]
+            r["best_fixed"] = best["config"]
+
+
+def _table_rows(got: dict, extra: dict) -> list[dict]:
+    rows = []
+    plain = got["plain"]
+    for label, rec in got.items():
+        row = {"config": label, **extra, "decode_tok_s": rec["decode_tok_s"]}
+        row.update(acceptance_columns(rec))
+        verifies = rec["spec_verify_steps"]
+        row["tokens_per_verify"] = (
+            (rec["spec_accepted_tokens"] + verifies) / verifies if verifies else 1.0
+        )
+        row["identical"] = rec["tokens"] == plain["tokens"]
+        rows.append(row)
+    add_ratio(rows, "decode_tok_s", rows[0], "speedup")
+    _cost_row(rows)
+    return rows
+
+
+COLUMNS = ["config", "decode_tok_s", "speedup", "vs_best_fixed", "best_fixed", "acceptance"]
+COLUMNS += ["tokens_per_verify", "identical"]
+
+
+@SUITE.measure("oracle")
+def oracle(args) -> list[Table]:
+    """Fixed widths against cost-aware widths at controlled per-draft acceptance (an oracle
+    drafter on the small preset), at each batch size."""
+    quick = args.quick
+    name = "tiny" if quick else "small"
+    prompt_len, n = (16, 24) if quick else (32, args.max_tokens or 64)
+    k = args.k or (2 if quick else 8)
+    batches = ints(args.batches or ("1" if quick else "1,8"))
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    if quick:
+        rates = rates[:2]
+    rounds = repeats(args, 2, 1)
+    config = preset(name)
+    model = random_model(config, seed=0)
+    shapes = batch_shapes(batches, prompt_len, n + k + 1)  # the truth runs k + 1 further
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(0, config.vocab_size, (b, prompt_len)).tolist() for b in batches}
+    plain = LLM(model, **shapes)
+    truth = {}
+    for b in batches:
+        for p, tokens in zip(prompts[b], generate_run(plain, prompts[b], n + k + 1)["tokens"]):
+            truth[tuple(p)] = tokens
+    tables = []
+    for b in batches:
+        rows = []
+        for rate in rates:
+            engines = {"plain": plain}
+            for w in candidate_widths(k):
+                engines[f"oracle fixed k={w}"] = _oracle_llm(model, truth, rate, w, "fixed", shapes)
+            engines[f"oracle cost k<={k}"] = _oracle_llm(model, truth, rate, k, "cost", shapes)
+            got = decode_rates(engines, [prompts[b]], n, rounds)
+            rows += _table_rows(got, {"A": rate, "B": b})
+        title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}, best of {rounds}"
+        tables.append(Table(title, rows, ["A", "B", *COLUMNS], {"k": k, "B": b, "N": n}))
+    return tables
+
+
+def _oracle_llm(model, truth, rate: float, k: int, policy: str, shapes) -> LLM:
+    # min_acceptance 0 for the fixed widths: they draft every step, the width's own price.
+    spec = {"method": "ngram", "num_draft_tokens": k, "width_policy": policy, "min_acceptance": 0}
+    drafter = OracleDrafter(truth, model.config.vocab_size, hash_wrong(rate))
+    return LLM(model, speculative=spec, drafter=drafter, **shapes)
+
+
+@SUITE.measure("code")
+def code(args) -> Table:
+    """The built-in model on held-out code: plain, the draft model and the n-gram at a fixed
+    k and with cost-aware widths (k the most)."""
+    quick = args.quick
+    k = args.k or (2 if quick else 8)
+    n = args.max_tokens or (16 if quick else 128)
+    count = args.prompts or (1 if quick else 6)
+    rounds = repeats(args, 3, 1)
+    batches = ints(args.batches or "1")
+    tables_rows = []
+    for b in batches:
+        shapes = dict(max_num_seqs=b, num_pages=64 * b, dtype="float32")
+        engines = {"plain": LLM(**shapes)}
+        for method in ("draft_model", "ngram"):
+            for policy in ("fixed", "cost"):
+                spec = {"method": method, "num_draft_tokens": k, "width_policy": policy}
+                engines[f"{method} {policy}"] = LLM(speculative=spec, **shapes)
+        prompts = held_out_prompts(engines["plain"].tokenizer, 128, n, count)
+        if b > 1:
+            prompts = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]
+        got = decode_rates(engines, prompts, n, rounds)
+        tables_rows += _table_rows(got, {"B": b})
+    title = f"built-in model, held-out code, {count} prompts of 128 tokens, k = {k}, {n} new tokens"
+    return Table(title, tables_rows, ["B", *COLUMNS], {"k": k, "N": n})

@@ -1,0 +1,226 @@
+"""Cost-aware verify widths: the expected-token law, the width choice and the break-even
+acceptance on a cost curve, the curve's interpolation and refresh, and engines that pick
+their windows from it (greedy output stays plain's; failing drafts stop costing windows)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kimi_linear_jax.presets import preset
+from kimi_linear_jax.testing import random_model
+from serving.core.request import Request
+from serving.core.sampling import SamplingParams
+from serving.engine import LLM
+from serving.speculative.oracle import OracleDrafter
+from serving.speculative.widths import (
+    CostCurve,
+    WidthPolicy,
+    candidate_widths,
+    expected_tokens,
+)
+
+PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SHAPES = dict(
+    num_pages=40,
+    page_size=4,
+    max_num_seqs=4,
+    batch_buckets=(4,),
+    token_buckets=(64,),
+    max_num_batched_tokens=64,
+    chunk_size=16,
+)
+
+
+def _curve(plain: float, per_width) -> CostCurve:
+    curve = CostCurve()
+    curve.seconds = {(0, 4): plain, **{(w, 4): c for w, c in per_width.items()}}
+    curve.frozen = True
+    return curve
+
+
+# ---- the law ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("m", [0, 1, 4])
+def test_expected_tokens_is_the_mean_of_the_truncated_geometric(alpha, m):
+    """E = sum_a (a + 1) P(A = a): a window of m drafts accepts a < m drafts with
+    probability alpha^a (1 - alpha) and all m with alpha^m; it emits one token more."""
+    law = [(alpha**a) * (1 - alpha) for a in range(m)] + [alpha**m]
+    assert sum(law) == pytest.approx(1.0)
+    mean = sum((a + 1) * p for a, p in enumerate(law))
+    assert expected_tokens(alpha, m) == pytest.approx(mean)
+
+
+def test_candidate_widths():
+    assert candidate_widths(1) == (1,)
+    assert candidate_widths(4) == (1, 2, 4)
+    assert candidate_widths(6) == (1, 2, 4, 6)
+
+
+# ---- the choice --------------------------------------------------------------------------------
+
+
+def test_choice_maximises_expected_tokens_per_second():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        costs = {w: 1.0 + rng.uniform(0.05, 0.6) * w for w in (1, 2, 4, 8)}
+        policy = WidthPolicy(8, _curve(1.0, costs))
+        alphas = rng.uniform(0, 1, 3).tolist()
+        avail = rng.integers(0, 9, 3).tolist()
+        got = policy.choose(alphas, avail, 4)
+        rates = {
+            w: sum(expected_tokens(a, min(w, n)) for a, n in zip(alphas, avail)) / c
+            for w, c in {0: 1.0, **costs}.items()
+        }
+        assert rates[got] == pytest.approx(max(rates.values()))
+
+
+def test_choice_extremes():
+    policy = WidthPolicy(4, _curve(1.0, {1: 1.3, 2: 1.5, 4: 1.9}))
+    assert policy.choose([0.0, 0.0], [4, 4], 4) == 0  # drafts never accepted: plain
+    assert policy.choose([1.0, 1.0], [4, 4], 4) == 4  # always accepted: the widest pays most
+    assert policy.choose([1.0, 1.0], [0, 0], 4) == 0  # nothing to draft: plain
+    assert policy.choose([1.0], [1], 4) == 1  # one draft found: wider costs more for nothing
+    assert WidthPolicy(4).choose([0.0], [4], 1) == 4  # nothing priced yet: the widest
+
+
+def test_break_even_is_where_a_window_starts_to_pay():
+    policy = WidthPolicy(4, _curve(1.0, {1: 1.3, 2: 1.5, 4: 1.9}))
+    alpha = policy.break_even(4)
+    best = max(expected_tokens(alpha, w) / c for w, c in {1: 1.3, 2: 1.5, 4: 1.9}.items())
+    assert best == pytest.approx(1.0, abs=1e-6)
+    assert policy.choose([alpha - 0.01], [4], 4) == 0
+    assert policy.choose([alpha + 0.01], [4], 4) > 0
+    assert WidthPolicy(4, _curve(1.0, {1: 0.9})).break_even(4) == 0.0  # a window is cheaper
+
+
+def test_curve_interpolates_refreshes_and_drops_outliers():
+    curve = CostCurve()
+    curve.observe(1, 1, 1.0)
+    curve.observe(1, 9, 3.0)
+    assert curve.cost(1, 5) == pytest.approx(2.0)  # linear between measured batch sizes
+    assert curve.cost(1, 16) == 3.0 and curve.cost(1, 0) == 1.0  # the nearest outside
+    assert curve.cost(2, 5) is None  # a width never measured
+    curve.observe(1, 1, 2.0)
+    assert curve.cost(1, 1) == pytest.approx(1.3)  # the EMA moved by SMOOTHING
+    curve.observe(1, 1, 100.0)  # a compiling call
+    assert curve.cost(1, 1) == pytest.approx(1.3)
+    curve.frozen = True
+    curve.observe(1, 1, 1.0)
+    assert curve.cost(1, 1) == pytest.approx(1.3)
+
+
+def test_alpha_estimate_follows_the_windows():
+    from serving.core.policy import DraftPolicy
+
+    request = Request("r", [1], SamplingParams())
+    assert request.spec_alpha == 0.5  # the prior
+    policy = DraftPolicy(by="alpha")
+    for _ in range(10):
+        policy.record(request, 4, 4)  # every draft accepted
+    assert request.spec_alpha > 0.9
+    policy.record(request, 0, 4)  # the first draft rejected: one trial, no hit
+    assert request.spec_trials == pytest.approx(0.8 * (1 - 0.8**10) / 0.2 * 4 + 1)
+    for _ in range(30):
+        policy.record(request, 0, 4)
+    assert request.spec_alpha < 0.2  # the full windows are forgotten
+    assert policy.acceptance(request) == request.spec_alpha
+    with pytest.raises(ValueError, match="DraftPolicy.by"):
+        DraftPolicy(by="mean")
+
+
+# ---- engines -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [o.token_ids for o in LLM(model, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _engine(model, reference, wrong, curve=None):
+    truth = {tuple(p): r for p, r in zip(PROMPTS, reference, strict=True)}
+    drafter = OracleDrafter(truth, model.config.vocab_size, wrong)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, **SHAPES)
+    if curve is not None:
+        llm.runner.widths.curve = curve
+    return llm
+
+
+def _windows(llm, monkeypatch):
+    """Record the drafts width of every verify call."""
+    import serving.speculative.steps as steps
+
+    widths, real = [], steps.verify_step
+
+    def spy(*args, **kw):
+        widths.append(args[3].shape[1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(steps, "verify_step", spy)
+    return widths
+
+
+def test_start_up_profile_prices_every_width(model, reference):
+    llm = _engine(model, reference, lambda p: False)
+    seconds = llm.runner.widths.curve.seconds
+    assert set(seconds) == set(itertools.product((0, 1, 2, 4), (1, 4)))
+    assert all(s > 0 for s in seconds.values())
+    policy = llm.scheduler.draft_policy
+    assert policy.by == "alpha" and policy.min_acceptance == llm.runner.widths.break_even(1)
+
+
+@pytest.mark.parametrize("wrong", ["never", "always", "every_third"])
+def test_cost_aware_greedy_equals_plain(model, reference, wrong, monkeypatch):
+    rule = {"never": lambda p: False, "always": lambda p: True, "every_third": lambda p: p % 3 == 2}
+    llm = _engine(model, reference, rule[wrong])
+    windows = _windows(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert windows and set(windows) <= {0, 1, 2, 4}
+    assert llm.cache.allocator.num_free == llm.cache.allocator.capacity
+
+
+def test_costly_windows_and_failing_drafts_rest_the_requests(model, reference, monkeypatch):
+    """Windows twice a plain step and drafts that always fail: after the first window each
+    request rests (its alpha falls below the break-even) and only probes draft, one token."""
+    curve = _curve(1.0, {1: 1.4, 2: 1.6, 4: 2.0})
+    llm = _engine(model, reference, lambda p: True, curve)
+    windows = _windows(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    # The first window at the prior alpha 0.5 is 2 wide (1.75 tokens for 1.6 steps beats
+    # 1.5 for 1.4), then only probes, 16 and 32 verifies later, one draft each.
+    assert windows[0] == 2 and set(windows[1:]) == {1} and len(windows) <= 3
+    assert llm.runner.spec_counts["draft_tokens"] <= 3 * 2 + 3 * 2
+
+
+def test_cheap_windows_and_accepted_drafts_go_widest(model, reference, monkeypatch):
+    curve = _curve(1.0, {1: 1.05, 2: 1.1, 4: 1.2})
+    llm = _engine(model, reference, lambda p: False, curve)
+    windows = _windows(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert windows.count(4) >= len(windows) - 3  # the widest, but near each request's end
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
+
+
+def test_steps_refresh_the_curve(model, reference):
+    llm = _engine(model, reference, lambda p: False)
+    before = dict(llm.runner.widths.curve.seconds)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    after = llm.runner.widths.curve.seconds
+    assert any(after[key] != before[key] for key in before)
+
+
+def test_bad_width_policy(model):
+    with pytest.raises(ValueError, match="width_policy must be one of"):
+        LLM(model, speculative={"method": "ngram", "width_policy": "greedy"}, **SHAPES)
