@@ -7,6 +7,8 @@ Entries:
 Built for a mesh (`par=`, `parallel.rules.shard_model`), each entry is one shard_map over it.
 - `model.decode(ids, cache, batch)`: T >= 1 new tokens per row (KDA window, absorbed MLA over
   the paged cache); `model.verify` is the same pass with the KDA commit left to the caller.
+- `model.verify_tree(ids, parents, cache, batch)`: a draft-tree window (speculative decoding
+  with a tree), nothing written; `model.write_latents` stores the accepted path's MLA rows.
 For jitted serving steps use `prefill_step` / `decode_step` on `nnx.split(model)`.
 """
 
@@ -120,6 +122,22 @@ class KimiLinearForCausalLM(nnx.Module):
         x, cache, per_step = self._layers(self.model.embed_tokens(input_ids), cache, run)
         return self._logits(x), cache, per_step
 
+    def _verify_tree(self, input_ids, parents, cache, batch):
+        def run(block, x, c):
+            x, kept = block.verify_tree(x, c, batch, parents)
+            return x, c, kept
+
+        x, cache, kept = self._layers(self.model.embed_tokens(input_ids), cache, run)
+        kinds = [block.kind for block in self.model.layers]
+        per_step = tuple(k for k, kind in zip(kept, kinds) if kind == "kda")
+        rows = tuple(k for k, kind in zip(kept, kinds) if kind == "mla")
+        return self._logits(x), cache, per_step, rows
+
+    def _write_latents(self, cache, rows, batch):
+        mla = [block.self_attn for block in self.model.layers if block.kind == "mla"]
+        latents = tuple(m.write(c, r, batch) for m, c, r in zip(mla, cache.mla, rows))
+        return ModelCache(cache.kda, latents)
+
     # ---- entries ------------------------------------------------------------------------------
     def _sharded(self, fn, args, arg_specs, out_specs):
         """fn(model, *args) on one device, or as one shard_map over the plan's mesh."""
@@ -179,6 +197,35 @@ class KimiLinearForCausalLM(nnx.Module):
         steps = sharding_rules.per_step_specs(len(cache.kda), self._rules, keep)
         out = (self._logits_spec(3), cs, steps)
         return self._sharded(fn, (input_ids, cache, batch), (P(), cs, P()), out)
+
+    def verify_tree(
+        self, input_ids: jax.Array, parents: jax.Array, cache: ModelCache, batch: Batch
+    ) -> tuple[jax.Array, ModelCache, tuple[KDAState, ...], tuple[jax.Array, ...]]:
+        """A draft-tree window (`ops.tree`): ids [B, T] with ids[:, 0] the root (the row's
+        last committed token), parents [B, T] (parents[:, 0] = -1, parents[b, i] < i);
+        node i's sequence is the cache then its root-to-node path, at position
+        start + depth. batch.lengths counts each row's valid nodes. Nothing is written:
+        returns (logits [B, T, vocab], cache as it came, per KDA layer the per-node states
+        laid out as verify's keep="states" output, so `commit_kda(cache, per_step, slots,
+        node + 1)` commits a node, per MLA layer the window's latent rows [B, T, L + R]: the
+        accepted path's rows go in by `write_latents`)."""
+        cs = sharding_rules.cache_specs(cache, self._rules)
+        steps = sharding_rules.per_step_specs(len(cache.kda), self._rules)
+        rows = sharding_rules.window_rows_specs(len(cache.mla))
+        out = (self._logits_spec(3), cs, steps, rows)
+        args = (input_ids, parents, cache, batch)
+        return self._sharded(KimiLinearForCausalLM._verify_tree, args, (P(), P(), cs, P()), out)
+
+    def write_latents(
+        self, cache: ModelCache, rows: tuple[jax.Array, ...], batch: Batch
+    ) -> ModelCache:
+        """Store each MLA layer's rows[b, :batch.lengths[b]] ([B, T, L + R]) at positions
+        batch.start[b] + t of the row's pages (under DCP each rank its own tokens): the MLA
+        commit of an accepted tree path."""
+        cs = sharding_rules.cache_specs(cache, self._rules)
+        rs = sharding_rules.window_rows_specs(len(cache.mla))
+        fn = KimiLinearForCausalLM._write_latents
+        return self._sharded(fn, (cache, rows, batch), (cs, rs, P()), cs)
 
     def decode(
         self, input_ids: jax.Array, cache: ModelCache, batch: Batch

@@ -98,3 +98,14 @@ class DecoderBlock(nnx.Module):
         else:
             (y, cache), steps = self.self_attn.decode(h, cache, batch), None
         return self.ffn(x + self.par.psum(y)), cache, steps
+
+    def verify_tree(self, x, cache: KDAState | MLACache, batch: Batch, parents: jax.Array):
+        """A draft-tree window of T nodes (`ops.tree`), the cache only read: (x, what the
+        layer keeps for the commit): a KDA layer's per-node states (`KDA.decode_tree`), an MLA
+        layer's window latent rows [B, T, L + R] (`MLA.decode_tree`; `MLA.write` stores them)."""
+        h = self.input_layernorm(x)
+        if self.kind == "kda":
+            y, kept = self.self_attn.decode_tree(h, state_rows(cache, batch.slots), parents)
+        else:
+            y, kept = self.self_attn.decode_tree(h, cache, batch, parents)
+        return self.ffn(x + self.par.psum(y)), kept

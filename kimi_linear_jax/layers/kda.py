@@ -15,9 +15,11 @@ from kimi_linear_jax.layers.norm import GatedRMSNorm
 from kimi_linear_jax.layers.short_conv import (
     ShortConv,
     next_window,
+    window_after_each_node,
     window_after_each_step,
 )
 from kimi_linear_jax.ops import kda as kda_ops
+from kimi_linear_jax.ops import tree as tree_ops
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -75,11 +77,16 @@ class KDA(nnx.Module):
         """Pre-conv q, k, v projections: what the conv windows remember."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def _convs(self):
+        return self.q_conv1d, self.k_conv1d, self.v_conv1d
+
     def _qkvgb(self, x, pre, windows, lengths=None):
         """Conv'd, normalised q, k, v plus g and beta, all fp32; padded tokens neutralised."""
-        q = self.q_conv1d(pre[0], windows[0])
-        k = self.k_conv1d(pre[1], windows[1])
-        v = self.v_conv1d(pre[2], windows[2])
+        qkv = [conv(p, w) for conv, p, w in zip(self._convs(), pre, windows)]
+        return self._gates(x, *qkv, lengths)
+
+    def _gates(self, x, q, k, v, lengths=None):
+        """From conv outputs: heads, l2-normalised q, k, fp32, plus g and beta."""
         acc = acc_dtype(q)
         q, k, v = (self._heads(t).astype(acc) for t in (q, k, v))
         q, k = l2_normalize(q), l2_normalize(k)
@@ -136,6 +143,19 @@ class KDA(nnx.Module):
         if keep == "inputs":
             return self._out(x, o), KDAInputs(*pre, k, v, g, beta)
         steps = tuple(window_after_each_step(w, p) for w, p in zip(windows, pre))
+        return self._out(x, o), KDAState(*steps, states)
+
+    def decode_tree(self, x: jax.Array, state: KDAState, parents: jax.Array):
+        """A draft-tree window (`ops.tree`): node i continues the state of its parent (the
+        root: `state`, the rows' states). Returns (y, per-node KDAState: conv windows
+        [B, T, W-1, P] and S [B, T, H, K, V] after each node), laid out as `decode`'s
+        keep="states" output, so `commit` of n picks node n - 1."""
+        windows, pre = self._windows(x, state), self._pre(x)
+        idx = tree_ops.conv_index(parents, self.q_conv1d.weight.shape[-1])
+        qkv = [conv.tree(p, w, idx) for conv, p, w in zip(self._convs(), pre, windows)]
+        q, k, v, g, beta = self._gates(x, *qkv)
+        o, states = tree_ops.kda_tree_window(q, k, v, g, beta, state.S, parents)
+        steps = tuple(window_after_each_node(w, p, idx) for w, p in zip(windows, pre))
         return self._out(x, o), KDAState(*steps, states)
 
 

@@ -24,6 +24,7 @@ from kimi_linear_jax.layers.linear import Linear, acc_dtype
 from kimi_linear_jax.layers.norm import RMSNorm
 from kimi_linear_jax.ops import mla as mla_ops
 from kimi_linear_jax.ops import order
+from kimi_linear_jax.ops import tree as tree_ops
 from kimi_linear_jax.parallel import dcp
 from kimi_linear_jax.parallel.mesh import SINGLE, Parallel
 
@@ -123,12 +124,20 @@ class MLA(nnx.Module):
         query row. new: (rows [B, T, L + R], col, slot), the step's latent rows and where they
         go (`_targets`): the attention sees them and the cache comes back with them written
         (`mla_ops.paged_attention_write`); None: the cache is only read."""
-        par = self.par
-        w_uk, w_uv = self._absorbed_weights()
-        w_uv = self._own(w_uv, 0)
+        q_lat, q_pe = self._latent_query(q_nope, q_pe)
+        o_lat, lse, cache = self._paged_latent(q_lat, q_pe, cache, block_table, kv_lens, new)
+        return self._uv(o_lat), lse, cache
+
+    def _latent_query(self, q_nope, q_pe) -> tuple[jax.Array, jax.Array]:
+        """(q_lat [B, T, N, L], q_pe [B, T, N, R]) of the query heads held here, in `acc`."""
+        w_uk, _ = self._absorbed_weights()
         acc = acc_dtype(q_nope)
-        q_lat = _absorb_query(q_nope, w_uk, acc)
-        q_pe = q_pe.astype(acc)
+        return _absorb_query(q_nope, w_uk, acc), q_pe.astype(acc)
+
+    def _paged_latent(self, q_lat, q_pe, cache, block_table, kv_lens, new=None):
+        """`_absorbed` before W_UV: o_lat [B, T, N_own, L] and lse of the own heads, with the
+        DCP group's partials already combined (every key of the cache counted once)."""
+        par = self.par
         if par.q_gather:  # the whole DCP group's heads attend this rank's tokens
             q_lat, q_pe = dcp.gather_heads(q_lat), dcp.gather_heads(q_pe)
         if par.dcp > 1:
@@ -141,8 +150,12 @@ class MLA(nnx.Module):
         if par.dcp > 1:
             combine = dcp.HEAD_COMBINES[par.combine]
             o_lat, lse = combine(o_lat.astype(jnp.float32), lse.astype(jnp.float32), par.dcp)
-        o = jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
-        return o, lse, cache
+        return o_lat, lse, cache
+
+    def _uv(self, o_lat: jax.Array) -> jax.Array:
+        """Latent outputs of the own heads through W_UV: [B, T, N_own, Vd]."""
+        w_uv = self._own(self._absorbed_weights()[1], 0)
+        return jnp.einsum("btnl,nvl->btnv", o_lat, w_uv.astype(o_lat.dtype))
 
     def _targets(self, cache: jax.Array, batch, T: int) -> tuple[jax.Array, jax.Array]:
         """Where the step's T new rows go in this rank's pages (`mla_ops.targets`); under DCP
@@ -193,6 +206,32 @@ class MLA(nnx.Module):
         kv_lens = jnp.where(batch.lengths[:, None] > 0, kv_lens, 0)
         o, _, latent = self._absorbed(q_nope, q_pe, cache.latent, batch.block_table, kv_lens, new)
         return self._out(x, o), MLACache(latent)
+
+    def decode_tree(self, x, cache: MLACache, batch, parents: jax.Array):
+        """A draft-tree window of T nodes (`ops.tree`), nothing written: node i attends the
+        cached prefix [0, start) through the paged path (DCP included) and its own
+        root-to-node path among the window's latent rows (dense, this rank's own heads, after
+        the DCP combine, so the window counts once), merged by lse before W_UV.
+        Returns (y, the window's latent rows [B, T, L + R] for `write`)."""
+        q_nope, q_pe = self._query(x)
+        rows = self.latent(x)
+        q_lat, q_pe = self._latent_query(q_nope, q_pe)
+        B, T = x.shape[:2]
+        kv_lens = jnp.broadcast_to(jnp.where(batch.lengths > 0, batch.start, 0)[:, None], (B, T))
+        o_p, lse_p, _ = self._paged_latent(q_lat, q_pe, cache.latent, batch.block_table, kv_lens)
+        # The rows as a chain verify would read them back: in the cache's dtype.
+        kv = rows.astype(cache.latent.dtype)
+        own = (self._own(q_lat, 2), self._own(q_pe, 2))
+        mask = tree_ops.visibility(parents)
+        o_w, lse_w = mla_ops.latent_attention_masked(*own, kv, mask, sm_scale=self.sm_scale)
+        o, _ = mla_ops.merge_partials(o_p.astype(o_w.dtype), lse_p.astype(lse_w.dtype), o_w, lse_w)
+        return self._out(x, self._uv(o)), rows
+
+    def write(self, cache: MLACache, rows: jax.Array, batch) -> MLACache:
+        """rows[b, :lengths[b]] to positions start[b] + t (under DCP: the tokens this rank
+        owns), as a decode writes its window."""
+        where = self._targets(cache.latent, batch, rows.shape[1])
+        return MLACache(mla_ops.write_rows(cache.latent, rows, batch.block_table, *where))
 
 
 def _absorb_query(q_nope: jax.Array, w_uk: jax.Array, acc) -> jax.Array:

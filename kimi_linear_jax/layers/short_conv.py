@@ -48,6 +48,30 @@ def window_after_each_step(window: jax.Array, x: jax.Array) -> jax.Array:
     return xw[:, idx]
 
 
+def _taps(xw: jax.Array, idx: jax.Array) -> jax.Array:
+    """xw [B, S, P] at idx [B, T, n] -> [B, T, n, P]."""
+    return xw[jnp.arange(xw.shape[0])[:, None, None], idx]
+
+
+def tree_conv(x: jax.Array, window: jax.Array, weight: jax.Array, idx: jax.Array) -> jax.Array:
+    """`causal_conv` over a draft tree: node i's taps are idx[:, i] into `[window, x]`
+    (`ops.tree.conv_index`), the last W inputs of its root-to-node path. x [B, T, P],
+    window [B, W-1, P], idx [B, T, W] -> [B, T, P]; the chain's products in the chain's
+    order, so a chain tree gives `causal_conv` exactly."""
+    W = weight.shape[-1]
+    xw = jnp.concatenate([window.astype(weight.dtype), x.astype(weight.dtype)], axis=1)
+    taps = _taps(xw, idx)  # [B, T, W, P]
+    w = weight[:, 0, :]
+    return sum(taps[:, :, j] * w[:, j] for j in range(W))
+
+
+def window_after_each_node(window: jax.Array, x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Conv windows after each node of a tree: [B, T, W-1, P], the last W-1 inputs of its
+    path (what a commit of that node stores); a chain gives `window_after_each_step`."""
+    xw = jnp.concatenate([window, x.astype(window.dtype)], axis=1)
+    return _taps(xw, idx[:, :, 1:])
+
+
 class ShortConv(nnx.Module):
     """silu(causal_conv(x)). weight [P, 1, W] as in the checkpoint."""
 
@@ -57,3 +81,7 @@ class ShortConv(nnx.Module):
 
     def __call__(self, x: jax.Array, window: jax.Array) -> jax.Array:
         return jax.nn.silu(causal_conv(x, window, self.weight[...])).astype(x.dtype)
+
+    def tree(self, x: jax.Array, window: jax.Array, idx: jax.Array) -> jax.Array:
+        """The same over a draft tree (`tree_conv`)."""
+        return jax.nn.silu(tree_conv(x, window, self.weight[...], idx)).astype(x.dtype)

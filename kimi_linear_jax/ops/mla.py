@@ -93,6 +93,21 @@ def paged_attention_write(
     return o, lse, write_rows(cache, order.after(rows, o), block_table, col, slot)
 
 
+def latent_attention_masked(
+    q_lat: jax.Array, q_pe: jax.Array, kv: jax.Array, mask: jax.Array, *, sm_scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """`mla_latent_attention_reference` with any mask instead of lengths: q_lat [B, T, H, L],
+    q_pe [B, T, H, R], kv [B, S, L + R], mask [B, T, S] (True = visible) -> o [B, T, H, L]
+    f32, lse [B, T, H] (a draft tree's window over its own rows)."""
+    L = q_lat.shape[-1]
+    c, k_pe = kv[..., :L], kv[..., L:]
+    acc = jnp.result_type(jnp.float32, q_lat)
+    scores = jnp.einsum("bthl,bsl->bths", q_lat, c, preferred_element_type=acc)
+    scores += jnp.einsum("bthr,bsr->bths", q_pe, k_pe, preferred_element_type=acc)
+    p, lse = _softmax_with_lse(scores * sm_scale, mask[:, :, None, :])
+    return jnp.einsum("bths,bsl->bthl", p, c.astype(acc)), lse
+
+
 def merge_partials(
     o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

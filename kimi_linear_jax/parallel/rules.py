@@ -98,6 +98,12 @@ def per_step_specs(n_kda: int, rules: ShardingRules, keep: str = "states") -> tu
     return (one,) * n_kda
 
 
+def window_rows_specs(n_mla: int) -> tuple:
+    """Specs of a tree verify's window latent rows [B, T, L + R] per MLA layer: replicated
+    over the whole TP group, as the window's x and the latent projection are."""
+    return (P(),) * n_mla
+
+
 def shardings(specs, mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
