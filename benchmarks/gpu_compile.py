@@ -164,6 +164,7 @@ SCENARIOS = [
     ("ngram", "1x1x1", dict(speculative=NGRAM)),
     ("draft-bf16", "1x1x1", dict(dtype="bfloat16", speculative={**NGRAM, "method": "draft_model"})),
     ("ngram-tp4-dcp2", "1x2x4", dict(speculative=NGRAM, tensor_parallel_size=4, dcp_size=2)),
+    ("draft-tree", "1x1x1", dict(speculative={**NGRAM, "method": "draft_model", "topk": 2})),
 ]
 
 

@@ -119,8 +119,8 @@ def _oracle_llm(model, truth, rate: float, k: int, policy: str, shapes) -> LLM:
 
 @SUITE.measure("code")
 def code(args) -> Table:
-    """The built-in model on held-out code: plain, the draft model and the n-gram at a fixed
-    k and with cost-aware widths (k the most)."""
+    """The built-in model on held-out code: plain, the draft model and the n-gram as chains
+    of a fixed k, with cost-aware widths (k the most) and as trees of k nodes."""
     quick = args.quick
     k = args.k or (2 if quick else 8)
     n = args.max_tokens or (16 if quick else 128)
@@ -131,14 +131,17 @@ def code(args) -> Table:
     for b in batches:
         shapes = dict(max_num_seqs=b, num_pages=64 * b, dtype="float32")
         engines = {"plain": LLM(**shapes)}
-        for method in ("draft_model", "ngram"):
+        for method, topk in (("draft_model", 2), ("ngram", 3)):
             for policy in ("fixed", "cost"):
                 spec = {"method": method, "num_draft_tokens": k, "width_policy": policy}
                 engines[f"{method} {policy}"] = LLM(speculative=spec, **shapes)
+            tree = {"method": method, "num_draft_tokens": k, "topk": topk}
+            engines[f"{method} tree k={k} topk={topk}"] = LLM(speculative=tree, **shapes)
         prompts = held_out_prompts(engines["plain"].tokenizer, 128, n, count)
         if b > 1:
             prompts = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]
         got = decode_rates(engines, prompts, n, rounds)
         tables_rows += _table_rows(got, {"B": b})
     title = f"built-in model, held-out code, {count} prompts of 128 tokens, k = {k}, {n} new tokens"
+    title += f", best of {rounds}"
     return Table(title, tables_rows, ["B", *COLUMNS], {"k": k, "N": n})

@@ -209,6 +209,7 @@ class LLM:
             drafter=drafter,
             num_draft_tokens=k,
             widths=WidthPolicy(k) if spec and spec.width_policy == "cost" else None,
+            topk=spec.topk if spec else 1,
         )
         policy = DraftPolicy(spec.min_acceptance) if spec else None
         if runner.widths is not None:

@@ -80,6 +80,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "request's own tokens do not recur",
     )
     spec.add_argument("--corpus-num-tokens", type=int, default=2, help="ngram: corpus drafts")
+    spec.add_argument(
+        "--speculative-width-policy",
+        choices=["fixed", "cost"],
+        default="fixed",
+        help="cost: each step's window as wide as pays on a measured cost curve (0: plain)",
+    )
+    spec.add_argument(
+        "--speculative-topk",
+        type=int,
+        default=1,
+        help="> 1: draft trees of --num-draft-tokens nodes, up to K children a node",
+    )
     hosts = p.add_argument_group(
         "several processes (hosts): one mesh over all their devices; run the same command on "
         "each, with its own --process-id (or set KIMI_COORDINATOR_ADDRESS, KIMI_NUM_PROCESSES, "
@@ -126,6 +138,8 @@ def llm_from_args(args):
             "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens,
             "corpus": args.speculative_corpus,
             "corpus_num_tokens": args.corpus_num_tokens,
+            "width_policy": args.speculative_width_policy,
+            "topk": args.speculative_topk,
         }
     return LLM(
         args.model,

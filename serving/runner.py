@@ -81,6 +81,7 @@ class ModelRunner:
         drafter=None,
         num_draft_tokens: int = 0,
         widths=None,
+        topk: int = 1,
     ) -> None:
         if num_decode_steps < 1:
             raise ValueError(f"num_decode_steps must be >= 1, got {num_decode_steps}")
@@ -113,6 +114,7 @@ class ModelRunner:
                 commit_recurrent=model.has_recurrent_state,
                 plain=self._plain_samples,
                 widths=widths,
+                topk=topk,
             )
 
     # The state's parts, by the names the steps' callers and the tests use.

@@ -22,13 +22,19 @@ from serving.core.sampling import apply_bias, apply_penalties, no_logprobs, samp
 MODES = ("greedy", "sample", "penalized")
 
 
-def pick(logits, sampling, counts, prompt_mask, mode):
+def pick(logits, sampling, counts, prompt_mask, mode, top_k=1):
     """(tokens [B], logprob [B], top ids [B, N], top values [B, N]) from logits [B, V].
-    Greedy mode reads neither `sampling` nor the penalty inputs (they may be None)."""
+    Greedy mode reads neither `sampling` nor the penalty inputs (they may be None); its top
+    ids are the `top_k` best tokens, the picked one first (a draft model's tree siblings),
+    its logprob outputs zeros."""
     logits = logits.astype(jnp.float32)
     if mode == "greedy":
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, *no_logprobs(tokens)
+        if top_k == 1:
+            return tokens, *no_logprobs(tokens)
+        return tokens, *_greedy_top(logits, tokens, top_k)
+    if top_k != 1:
+        raise ValueError(f"top_k is for greedy mode, got mode {mode!r}")
     if mode == "penalized":
         logits = apply_penalties(logits, counts, prompt_mask, sampling)
     logits = apply_bias(logits, sampling)
@@ -36,12 +42,22 @@ def pick(logits, sampling, counts, prompt_mask, mode):
     return tokens, chosen, top_ids, top_values
 
 
-pick_jit = jax.jit(pick, static_argnames=("mode",))
+def _greedy_top(logits, tokens, top_k: int):
+    """`no_logprobs` with the top ids widened to the `top_k` best tokens, `tokens` first: the
+    others are the best of the logits without it, so all are distinct even on ties."""
+    rows = jnp.arange(logits.shape[0])
+    _, others = jax.lax.top_k(logits.at[rows, tokens].set(-jnp.inf), top_k - 1)
+    top_ids = jnp.concatenate([tokens[:, None], others.astype(jnp.int32)], axis=-1)
+    zero = jnp.zeros(tokens.shape, jnp.float32)
+    return zero, top_ids, jnp.zeros(top_ids.shape, jnp.float32)
+
+
+pick_jit = jax.jit(pick, static_argnames=("mode", "top_k"))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "num_steps", "mode", "keep_states"),
+    static_argnames=("graphdef", "num_steps", "mode", "keep_states", "top_k"),
     donate_argnames=("cache",),
 )
 def decode_steps(
@@ -58,6 +74,7 @@ def decode_steps(
     num_steps,
     mode="greedy",
     keep_states=False,
+    top_k=1,
 ):
     """`num_steps` decode steps from ids [B], each feeding back the token it picked.
 
@@ -68,7 +85,8 @@ def decode_steps(
 
     Returns (picked, states, cache): picked is `pick`'s four arrays with a step axis
     ([B, S, ...]); states, with `keep_states`, the KDA states after every step per layer
-    ([B, S, ...], what `commit_kda` picks from to roll back), else None.
+    ([B, S, ...], what `commit_kda` picks from to roll back), else None. `top_k` (greedy
+    mode): the top ids are each step's `top_k` best tokens (`pick`), else the picked one.
     """
     model = merge(graphdef, params)
     rows = jnp.arange(ids.shape[0])
@@ -83,7 +101,7 @@ def decode_steps(
         else:
             (logits, cache), states = model.decode(token[:, None], cache, b), None
         at_i = None if mode == "greedy" else sampling._replace(step=sampling.step + i)
-        picked = pick(logits[:, 0], at_i, counts, prompt_mask, mode)
+        picked = pick(logits[:, 0], at_i, counts, prompt_mask, mode, top_k)
         counts = counts.at[rows, picked[0]].add(active) if mode == "penalized" else counts
         return (picked[0], cache, counts), (picked, states)
 

@@ -33,8 +33,11 @@ class DraftPolicy:
             raise ValueError(f"DraftPolicy.by must be 'rate' or 'alpha', got {self.by!r}")
 
     def acceptance(self, request: Request) -> float:
-        """The request's acceptance this policy gates on."""
-        return request.spec_alpha if self.by == "alpha" else request.spec_acceptance
+        """The request's acceptance this policy gates on. By alpha, a request not verified
+        yet drafts: its first window is its first measurement."""
+        if self.by == "alpha":
+            return request.spec_alpha if request.spec_trials else 1.0
+        return request.spec_acceptance
 
     def drafts(
         self, room: int, acceptance: float, skipped: int, probe_after: int

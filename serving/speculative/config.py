@@ -44,6 +44,10 @@ class SpeculativeConfig:
     # profiled at start-up and refreshed from the steps' times (`widths.py`), and requests
     # rest below the curve's break-even acceptance instead of `min_acceptance`.
     width_policy: str = "fixed"
+    # > 1: one draft tree per request instead of a chain, num_draft_tokens nodes in all, each
+    # node with up to topk children (the draft model's top-k at each depth of its chain; the
+    # n-gram's several continuations), verified at once and committed by accept index.
+    topk: int = 1
 
     @classmethod
     def parse(cls, spec) -> SpeculativeConfig | None:
@@ -104,6 +108,14 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}"
             )
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= 8:
+            raise ValueError(f"speculative topk must be in [1, 8], got {self.topk}")
+        if self.topk > 1 and self.width_policy == "cost":
+            raise ValueError(
+                "speculative width_policy 'cost' prices chain windows: use it with topk 1"
+            )
+        if self.topk > 1 and self.prompt_lookup_num_tokens:
+            raise ValueError("speculative topk > 1 (trees) does not take prompt_lookup_num_tokens")
         lookup = self.prompt_lookup_num_tokens
         if not isinstance(lookup, int) or not 0 <= lookup <= 16:
             raise ValueError(

@@ -23,6 +23,13 @@ Track points: where the target's verify snapshots a row's state for the prefix c
 with KDA layers writes its own state after the same window step into the same slot of its
 cache (from its window's per-step states, from the catch-up pass, or, for a resting row, from
 its slot), since a prefix hit copies that slot in both caches.
+
+Trees (`propose_tree`, `draft_tree.py`): the same greedy chain, each depth's top-k tokens as
+siblings. After the verify (`rollback_tree`) a row commits its per-step state at the end of
+the chain part of its accepted path and one pass writes the rest (at most the leaf it ended
+on) from there, KV and state, as the catch-up of lookup rows does for whole paths: the caches
+then hold exactly the accepted tokens, as after a chain verify. The slot itself no longer
+holds the state before the window (each fused step commits), so that is the only way back.
 """
 
 from __future__ import annotations
@@ -39,7 +46,14 @@ from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import layout_cache
 from serving.core.decode import decode_steps
 from serving.core.state_pool import copy_slots, reset_cache_slots
-from serving.speculative.drafter import Drafter
+from serving.speculative.draft_tree import (
+    depth_for,
+    held_on_chain,
+    tree_drafts,
+    tree_parents,
+    window_tail,
+)
+from serving.speculative.drafter import Drafter, pack_trees
 from serving.speculative.lag import Lag
 from serving.speculative.verify import track_rows, write_track
 
@@ -93,6 +107,44 @@ def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, 
     return _write(graphdef, params, window, cache, lookup, _only(rows, track))
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
+def _tree_rollback(
+    graphdef,
+    params,
+    cache,
+    per_step,
+    chain,
+    window,
+    batch: Batch,
+    model_rows,
+    drafted,
+    commit_lens,
+    track=None,
+    *,
+    width,
+):
+    """After a tree verify: model rows commit the step that ends the chain part of their
+    accepted path (lookup rows ran none: 0 keeps the slot), then the drafted rows write the
+    rest of it (`width` tokens at most; 0: none can have any) in one window pass from there,
+    with each part's track snapshot (a track step inside the tail is shifted into it)."""
+    held = jnp.where(model_rows, held_on_chain(window, chain, commit_lens), 0)
+    if per_step is not None:
+        cache = _commit(cache, per_step, batch.slots, held, _only(model_rows, track), None)
+    if not width:
+        return cache
+    ids, rest = window_tail(window, held, commit_lens, width)
+    rows = drafted & (rest > 0)
+    pad = jnp.zeros_like(batch.slots)
+    tail = Batch(
+        jnp.where(rows, batch.slots, pad),
+        jnp.where(rows[:, None], batch.block_table, 0),
+        jnp.where(rows, batch.start + held, pad),
+        jnp.where(rows, rest, pad),
+    )
+    shifted = None if track is None else (track[0], jnp.where(rows, track[1] - held, -1))
+    return _write(graphdef, params, ids, cache, tail, shifted)
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _track_resting(cache, slots, rows, commit_lens, track):
     """Resting rows drafted nothing, so their track step can only be 0, the state after
@@ -134,6 +186,7 @@ class DraftModelDrafter(Drafter):
         self.cache = self._new_cache()
         self._per_step = None  # the last window's per-step KDA states, for the rollback
         self._model_rows = None  # the rows the draft model ran for in the last window
+        self._tree = None  # the last tree window: (chain [B, D], lookup rows, batch, topk)
         self.lag = Lag()
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
@@ -153,22 +206,14 @@ class DraftModelDrafter(Drafter):
     def propose(self, requests, max_drafts, batch, k: int, checkpointed=()):
         b = int(batch.slots.shape[0])
         k_model = min(self.num_draft_tokens or k, k)
-        last = np.zeros(b, np.int32)
-        num = np.zeros(b, np.int32)
-        steps = np.zeros(b, np.int32)  # padding, lookup and resting rows run no step
         looked = self._look_up(requests, max_drafts, b)
-        for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
-            last[i] = request.all_token_ids[-1]
-            if looked[i]:
-                num[i] = len(looked[i])
-                continue
-            num[i] = min(n, k_model)
-            steps[i] = num[i] + 1 if num[i] else 0
+        last, num, steps = self._rows(requests, max_drafts, looked, k_model, topk=1)
         self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
         self._window = self._lookup_window(looked, last, num, batch, k)
-        self._model_rows = model_rows
-        tokens = self._model_drafts(last, batch, steps, k_model)
+        self._model_rows, self._tree = model_rows, None
+        top = self._model_drafts(last, batch, steps, k_model, topk=1)
+        tokens = None if top is None else top[:, :, 0]
         if self._window is None:
             return (np.zeros((b, k), np.int32) if tokens is None else tokens), num
         drafts = self._window[1][:, 1:]
@@ -177,14 +222,55 @@ class DraftModelDrafter(Drafter):
             drafts = jnp.where(jnp.asarray(model_rows)[:, None], padded, drafts)
         return drafts, num
 
-    def _look_up(self, requests, max_drafts, b: int) -> list[list[int]]:
-        """Each row's lookup drafts ([] where the context does not recur or lookup is off)."""
-        looked: list[list[int]] = [[] for _ in range(b)]
+    def propose_tree(self, requests, max_nodes, batch, n: int, topk: int, checkpointed=()):
+        """The model's top-k trees (`draft_tree.py`) of up to min(num_draft_tokens, n)
+        nodes; lookup rows draft their lookup's tree. Drafts on device, parents on the host."""
+        b = int(batch.slots.shape[0])
+        n_model = min(self.num_draft_tokens or n, n)
+        looked = [nodes[:n] for nodes in self._look_up(requests, max_nodes, b, topk)]
+        last, num, steps = self._rows(requests, max_nodes, looked, n_model, topk)
+        self._flush_lags(requests, batch, last, steps, looked, checkpointed)
+        model_rows = steps > 0
+        lookup_rows = np.array([bool(nodes) for nodes in looked], bool)
+        self.lookup_draft_tokens += int(num[lookup_rows].sum())
+        self._model_rows, self._window = model_rows, None
+        top = self._model_drafts(last, batch, steps, depth_for(n_model, topk), topk)
+        drafts, parents, _ = pack_trees(looked, b, n)
+        parents = np.where(model_rows[:, None], tree_parents(num, n, topk), parents)
+        self._tree = (None if top is None else top[:, :, 0], lookup_rows, batch, topk)
+        if top is not None:
+            drafts = tree_drafts(top, num, model_rows, drafts, n=n)
+        return drafts, parents, num
+
+    def _rows(self, requests, max_drafts, looked, k_model: int, topk: int):
+        """(last tokens, drafts or nodes, draft steps) per row: lookup rows draft what they
+        looked up and, like padding and resting rows, run no step; model rows a chain deep
+        enough for their nodes, and one step more."""
+        b = len(looked)
+        last, num, steps = (np.zeros(b, np.int32) for _ in range(3))
+        for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
+            last[i] = request.all_token_ids[-1]
+            if looked[i]:
+                num[i] = len(looked[i])
+                continue
+            num[i] = min(n, k_model)
+            steps[i] = depth_for(num[i], topk) + 1 if num[i] else 0
+        return last, num, steps
+
+    def _look_up(self, requests, max_drafts, b: int, topk: int | None = None) -> list[list]:
+        """Each row's lookup drafts, or its tree's nodes with `topk` ([] where the context
+        does not recur or lookup is off)."""
+        looked: list[list] = [[] for _ in range(b)]
         if self.lookup is None:
             return looked
         for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
-            if n > 0:
-                looked[i] = self.lookup.propose_tokens(request, min(n, self.lookup_tokens))[:n]
+            m = min(n, self.lookup_tokens)
+            if m <= 0:
+                continue
+            if topk is None:
+                looked[i] = self.lookup.propose_tokens(request, m)[:n]
+            else:
+                looked[i] = self.lookup.propose_tree_tokens(request, m, topk)[:m]
         return looked
 
     def _lookup_window(self, looked, last, num, batch, k: int):
@@ -199,23 +285,25 @@ class DraftModelDrafter(Drafter):
             window[i, 1 : 1 + len(d)] = d
         return rows, window, batch
 
-    def _model_drafts(self, last, batch, steps, k_model: int):
-        """The draft model's part of the window: k_model greedy drafts and one step more for
-        the rows with `steps` (a device array [B, k_model]), or None when none drafts."""
+    def _model_drafts(self, last, batch, steps, depth: int, topk: int):
+        """The draft model's part of the window: `depth` greedy drafts and one step more for
+        the rows with `steps`, each step's `topk` best tokens, the picked one first (a device
+        array [B, depth, topk]), or None when none drafts."""
         self._per_step = None
         if not steps.any():
             return None
-        (tokens, *_), self._per_step, self.cache = decode_steps(
+        (_, _, top, _), self._per_step, self.cache = decode_steps(
             self.graphdef,
             self.params,
             last,
             self.cache,
             batch,
             steps,
-            num_steps=k_model + 1,
+            num_steps=depth + 1,
             keep_states=self.has_state,  # without: states None, so `rollback` does nothing
+            top_k=topk,
         )
-        return tokens[:, :k_model]
+        return top[:, :depth]
 
     def _flush_lags(self, requests, batch, last, steps, looked, checkpointed) -> None:
         """Resting rows add their last token to their slot's lag; then the lags of the rows
@@ -240,6 +328,7 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None
+        self._tree = None
         self.lag = Lag()
 
     def copy_slots(self, pairs, width: int) -> None:
@@ -247,6 +336,15 @@ class DraftModelDrafter(Drafter):
         self._write_lags([src for src, _ in pairs], width)
         self.lag.drop([dst for _, dst in pairs])
         self.cache = copy_slots(self.cache, pairs, width)
+
+    def padding_step(self, batch, k: int):
+        """The draft's part of a window of k drafts on padding rows (the cost profile): its
+        k + 1 fused steps and the rollback; nothing of a request's is touched."""
+        b = int(batch.slots.shape[0])
+        self._model_rows = np.ones(b, bool)
+        self._model_drafts(np.zeros(b, np.int32), batch, np.full(b, k + 1, np.int32), k, 1)
+        self.rollback(batch.slots, np.ones(b, np.int32))
+        return self.cache
 
     def rollback(self, slots, commit_lens, track=None) -> None:
         # A draft with KDA layers snapshots its state where the target does (`track`), for a
@@ -267,4 +365,36 @@ class DraftModelDrafter(Drafter):
             self._window = None
         if track is not None:
             drafted = self._model_rows if lookup_rows is None else self._model_rows | lookup_rows
+            self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)
+
+    def rollback_tree(self, slots, window, commit_lens, track=None) -> None:
+        # Every drafted row's caches end holding its accepted path (`_tree_rollback`); an
+        # attention-only draft needs the pass too: its KV at a leaf's position is the chain's.
+        if self._tree is None:
+            return
+        if not self.has_state:
+            track = None
+        chain, lookup_rows, batch, topk = self._tree
+        drafted = self._model_rows | lookup_rows
+        # A chain-shaped tree (topk 1) leaves no tail; a lookup row's may be its whole path.
+        width = window.shape[1] if lookup_rows.any() else int(topk > 1 and drafted.any())
+        if width or self._per_step is not None:
+            if chain is None:
+                chain = jnp.zeros((len(drafted), 1), jnp.int32)
+            self.cache = _tree_rollback(
+                self.graphdef,
+                self.params,
+                self.cache,
+                self._per_step,
+                chain,
+                window,
+                batch,
+                self._model_rows,
+                drafted,
+                commit_lens,
+                track,
+                width=width,
+            )
+        self._per_step = self._tree = None
+        if track is not None:
             self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)

@@ -1,9 +1,16 @@
-"""The drafter interface. Chain layout only: a request gets at most k drafts, one per position
-after its last token; the verify window is `[last, d_1 .. d_n]`.
+"""The drafter interface, for chain and tree windows.
+
+Chain layout: a request gets at most k drafts, one per position after its last token; the
+verify window is `[last, d_1 .. d_n]`. Tree layout (`propose_tree`): the window holds T = n + 1
+nodes per row, node 0 the row's last token (the root), drafts the nodes 1..n; node j + 1 has
+token drafts[b, j] and parent node parents[b, j] in [0, j]; a row's valid nodes are its first
+num[b] drafts; padding nodes have token 0 and parents[b, j] = j. Siblings have distinct tokens
+(the verify follows at most one child per node). A chain is the tree with parents[b, j] = j.
 
 The runner calls, per step: `prefill` after the target's prefill (same batch and block tables,
-so a drafter with its own caches stays in step), `propose` before the verify, and `rollback`
-after it with the accepted lengths. Host drafters (n-gram, oracle) only implement `propose`.
+so a drafter with its own caches stays in step), `propose` (or `propose_tree`) before the
+verify, and `rollback` (or `rollback_tree`) after it. Host drafters (n-gram, oracle) only
+implement `propose_tokens`, and `propose_tree_tokens` where they branch.
 """
 
 from __future__ import annotations
@@ -46,6 +53,31 @@ class Drafter:
             num[i] = len(tokens)
         return drafts, num
 
+    def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
+        """Up to `max_nodes` tree nodes (token, parent) continuing `request.all_token_ids`,
+        node i + 1 the i-th, parents numbered as window nodes (0: the root, the last token),
+        at most `topk` children a node. Without a tree of its own a drafter drafts its chain."""
+        return chain(self.propose_tokens(request, max_nodes))
+
+    def propose_tree(
+        self,
+        requests: Sequence,
+        max_nodes: Sequence[int],
+        batch,
+        n: int,
+        topk: int,
+        checkpointed=(),
+    ):
+        """(drafts [B, n] int32, parents [B, n] int32, num [B] int32): each row's tree of at
+        most max_nodes[i] nodes (0: none), at most `topk` children a node, in the module's
+        tree layout. Host drafters return numpy; a device drafter may return jax arrays.
+        `checkpointed` as in `propose`."""
+        trees = [
+            self.propose_tree_tokens(request, m, topk)[:m] if m > 0 else []
+            for request, m in zip(requests, max_nodes, strict=True)
+        ]
+        return pack_trees(trees, int(batch.slots.shape[0]), n)
+
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         """Mirror the target's prefill chunk (drafters with caches)."""
 
@@ -58,5 +90,35 @@ class Drafter:
         this window for the prefix cache; a drafter with a recurrent state snapshots its own
         state there too."""
 
+    def rollback_tree(self, slots, window, commit_lens, track=None) -> None:
+        """`rollback` after a tree verify: window [B, T] holds each row's accepted path
+        `[last, a_1 .. a_d]` (zeros after), commit_lens [B] = d + 1 (0: padding rows)."""
+
+    def padding_step(self, batch, k: int):
+        """Run the drafter's device work of a window of k drafts on padding rows, for the
+        cost profile (`Verifier.profile`); returns what to wait for, None for host drafters."""
+        return None
+
     def reset(self) -> None:
         """Empty every slot and page (the engine rebuilt the target's caches after a fault)."""
+
+
+def chain(tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """A chain of drafts as tree nodes: each the child of the node before it."""
+    return [(int(t), j) for j, t in enumerate(tokens)]
+
+
+def pack_trees(trees: Sequence[Sequence[tuple[int, int]]], rows: int, n: int):
+    """(drafts [rows, n], parents [rows, n], num [rows]) from each row's first n nodes
+    (token, parent); rows past `trees` and nodes past a row's own are padding."""
+    drafts = np.zeros((rows, n), np.int32)
+    parents = np.tile(np.arange(n, dtype=np.int32), (rows, 1))
+    num = np.zeros(rows, np.int32)
+    for i, nodes in enumerate(trees):
+        nodes = list(nodes)[:n]
+        num[i] = len(nodes)
+        for j, (token, parent) in enumerate(nodes):
+            if not 0 <= parent <= j:
+                raise ValueError(f"row {i}: node {j + 1} has parent {parent}, not in [0, {j}]")
+            drafts[i, j], parents[i, j] = token, parent
+    return drafts, parents, num

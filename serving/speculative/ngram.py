@@ -10,18 +10,28 @@ continuation of a loop is the one it takes again (benchmarks/RESULTS.md, "n-gram
 Repetitive text (code, quoted context, lists) accepts many drafts; elsewhere it usually
 proposes nothing, which costs nothing: the step is then a plain decode step, unless a corpus
 n-gram table (`ngram_table.py`) drafts a few tokens there.
+
+Trees (`ngram_tree`): where the occurrences' continuations disagree, the tree holds several.
+Each node's children are the up-to-`topk` most voted distinct next tokens of the occurrences
+that led to it (ties: the most recent), each child carried on by the occurrences that
+continued that way. Nodes are allotted best first by their support, the number of
+occurrences that followed the node's whole path: the empirical probability of the path, so
+the tree holds the `max_nodes` likeliest continuations (ties: the latest occurrence). With
+topk = 1 it is `ngram_lookup`'s chain.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+import itertools
 
 import jax.numpy as jnp
 import numpy as np
 
 from serving.core.request import acceptance_ema
-from serving.speculative.drafter import Drafter
+from serving.speculative.drafter import Drafter, chain
 
 
 def _ends(seq: np.ndarray, n: int) -> np.ndarray:
@@ -63,15 +73,60 @@ def _vote(seq: np.ndarray, ends: np.ndarray, max_drafts: int) -> list[int]:
     return out
 
 
+def _suffix_ends(seq: np.ndarray, max_n: int, min_n: int) -> np.ndarray:
+    """`_ends` of the longest suffix n-gram (n in [min_n, max_n]) that occurs; empty if none."""
+    for n in range(min(max_n, seq.shape[0] - 1), min_n - 1, -1):
+        ends = _ends(seq, n)
+        if ends.size:
+            return ends
+    return np.zeros(0, np.int64)
+
+
 def ngram_lookup(tokens, max_drafts: int, max_n: int, min_n: int = 1) -> list[int]:
     """Up to `max_drafts` tokens continuing `tokens`, voted by the earlier occurrences of its
     longest suffix n-gram (n in [min_n, max_n]); [] when none occurs."""
     seq = np.asarray(tokens, np.int64)
-    for n in range(min(max_n, seq.shape[0] - 1), min_n - 1, -1):
-        ends = _ends(seq, n)
-        if ends.size:
-            return _vote(seq, ends, max_drafts)
-    return []
+    ends = _suffix_ends(seq, max_n, min_n)
+    return _vote(seq, ends, max_drafts) if ends.size else []
+
+
+def _children(seq: np.ndarray, ends: np.ndarray, depth: int, topk: int):
+    """Up to `topk` (token, its occurrences) continuing the occurrences `ends` after `depth`
+    tokens, most voted first (ties: the most recent, as `_vote`)."""
+    ends = ends[ends + depth < seq.shape[0]]
+    nxt = seq[ends + depth]
+    values, first, counts = np.unique(nxt[::-1], return_index=True, return_counts=True)
+    order = sorted(range(len(values)), key=lambda i: (-counts[i], first[i]))[:topk]
+    return [(int(values[i]), ends[nxt == values[i]]) for i in order]
+
+
+def ngram_tree(
+    tokens, max_nodes: int, max_n: int, min_n: int = 1, topk: int = 1
+) -> list[tuple[int, int]]:
+    """Up to `max_nodes` tree nodes (token, parent node; 0: the last token) continuing
+    `tokens`, voted by the earlier occurrences of its longest suffix n-gram, at most `topk`
+    children a node, allotted best first by support (the module's docstring); [] when none
+    occurs."""
+    seq = np.asarray(tokens, np.int64)
+    ends = _suffix_ends(seq, max_n, min_n)
+    nodes: list[tuple[int, int]] = []
+    # Candidates never share an occurrence (none is another's ancestor), so (support, latest
+    # occurrence) orders them totally; the counter only keeps the arrays out of comparisons.
+    frontier: list = []
+    tie = itertools.count()
+
+    def expand(node: int, depth: int, occurrences: np.ndarray) -> None:
+        for token, sub in _children(seq, occurrences, depth, topk):
+            entry = (-sub.size, -int(sub[-1]), next(tie), token, node, depth + 1, sub)
+            heapq.heappush(frontier, entry)
+
+    if ends.size:
+        expand(0, 0, ends)
+    while frontier and len(nodes) < max_nodes:
+        *_, token, parent, depth, sub = heapq.heappop(frontier)
+        nodes.append((token, parent))
+        expand(len(nodes), depth, sub)
+    return nodes
 
 
 def ngram_lookup_reference(
@@ -96,6 +151,36 @@ def ngram_lookup_reference(
             out.append(token)
             occurrences = [e for e in occurrences if tokens[e + len(out) - 1] == token]
         return out
+    return []
+
+
+def ngram_tree_reference(
+    tokens: list[int], max_nodes: int, max_n: int, min_n: int = 1, topk: int = 1
+) -> list[tuple[int, int]]:
+    """`ngram_tree` written as plain loops over the occurrences (its test reference)."""
+    size = len(tokens)
+
+    def children(node, depth, occurrences):  # occurrences: most recent first
+        going = [e for e in occurrences if e + depth < size]
+        votes = collections.Counter(tokens[e + depth] for e in going)
+        order = [tokens[e + depth] for e in going]
+        ranked = sorted(votes, key=lambda t: (-votes[t], order.index(t)))[:topk]
+        return [(t, node, depth + 1, [e for e in going if tokens[e + depth] == t]) for t in ranked]
+
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        occurrences = [
+            s + n for s in range(size - n - 1, -1, -1) if tokens[s : s + n] == tokens[size - n :]
+        ]
+        if not occurrences:
+            continue
+        nodes: list[tuple[int, int]] = []
+        candidates = children(0, 0, occurrences)
+        while candidates and len(nodes) < max_nodes:
+            best = max(candidates, key=lambda c: (len(c[3]), max(c[3])))
+            candidates.remove(best)
+            nodes.append((best[0], best[1]))
+            candidates += children(len(nodes), best[2], best[3])
+        return nodes
     return []
 
 
@@ -146,10 +231,19 @@ class NgramDrafter(Drafter):
         return self.min_n if self.table is None else None
 
     def propose_tokens(self, request, max_drafts: int) -> list[int]:
+        drafts = ngram_lookup(request.all_token_ids, max_drafts, self.max_n, self.min_n)
+        return drafts or self._table_tokens(request, max_drafts)
+
+    def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
+        # The corpus table drafts a chain where the request's own tokens do not recur.
+        tree = ngram_tree(request.all_token_ids, max_nodes, self.max_n, self.min_n, topk)
+        return tree or chain(self._table_tokens(request, max_nodes))
+
+    def _table_tokens(self, request, max_drafts: int) -> list[int]:
+        """The corpus table's drafts, where it may draft for the request."""
+        if self.table is None or not self._table_may_draft(request):
+            return []
         tokens = request.all_token_ids
-        drafts = ngram_lookup(tokens, max_drafts, self.max_n, self.min_n)
-        if drafts or self.table is None or not self._table_may_draft(request):
-            return drafts
         drafts = self.table.draft(tokens, min(max_drafts, self.table_drafts))
         self.table_draft_tokens += len(drafts)
         if drafts:
@@ -188,3 +282,7 @@ class NgramDrafter(Drafter):
         if self.table is not None and k > self.table_drafts >= num.max():
             drafts = drafts[:, : self.table_drafts]
         return drafts, num
+
+    def propose_tree(self, requests, max_nodes, batch, n: int, topk: int, checkpointed=()):
+        self.ungated = frozenset()  # as in `propose`: this window's table drafts only
+        return super().propose_tree(requests, max_nodes, batch, n, topk, checkpointed)

@@ -33,6 +33,7 @@ from serving.core.scheduler_output import SchedulerOutput
 from serving.core.state_pool import NULL_SLOT
 from serving.core.step_result import StepResult, host_samples, sample_mode
 from serving.speculative.draftless import decode_until_recurs
+from serving.speculative.tree_verify import verify_tree_step
 from serving.speculative.verify import verify_step
 from serving.speculative.widths import WidthPolicy
 
@@ -53,9 +54,11 @@ class Verifier:
         commit_recurrent: bool,
         plain,
         widths: WidthPolicy | None = None,
+        topk: int = 1,
     ) -> None:
         self.state, self.buckets, self.drafter = state, buckets, drafter
         self.widths = widths  # cost-aware widths; None: each row drafts its room
+        self.topk = topk  # > 1: draft trees of num_draft_tokens nodes, topk children at most
         self.num_draft_tokens = num_draft_tokens
         self.commit_recurrent = commit_recurrent
         self._plain = plain
@@ -78,23 +81,54 @@ class Verifier:
         if self.widths is not None:  # a first choice on room alone: what the drafter may draft
             k, max_drafts = self._narrow(output, max_drafts, b)
         tracked = [i for i, r in enumerate(requests) if r.request_id in output.track]
-        drafts, num = self.drafter.propose(requests, max_drafts, batch, max(k, 1), tracked)
+        parents = None
+        if self.topk > 1:
+            drafts, parents, num = self.drafter.propose_tree(
+                requests, max_drafts, batch, k, self.topk, tracked
+            )
+        else:
+            drafts, num = self.drafter.propose(requests, max_drafts, batch, max(k, 1), tracked)
         drafted = bool(np.asarray(num).any())
         if self.widths is not None:  # the choice on what it did draft
             k, drafts, num = self._fit(output, drafts, num, b)
         if not np.asarray(num).any():
             if not output.track:
                 return self._draftless(output, batch, result, t0, runs=not drafted)
-            drafts = drafts[:, :0]  # the width-1 window: one of two compiled widths
+            drafts, parents = drafts[:, :0], None  # the width-1 window: one of two compiled widths
         mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
+        nodes = np.asarray(num)
+        verify = self._chain if parents is None else functools.partial(self._tree, parents)
+        picked, drafts_per_row = verify(last, drafts, num, batch, rows, b, mode, output)
+        tokens, commit_lens, *logprobs = picked
+        host = jax.device_get((commit_lens, drafts_per_row, tokens, *logprobs))  # one transfer
+        commit_lens, num = np.asarray(host[0]), np.asarray(host[1])
+        samples = host_samples(host[2:], rows, mode)
+        n = len(requests)
+        self.counts["draft_tokens"] += int(nodes[:n].sum())
+        self.counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
+        self.counts["verify_rows"] += n
+        for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
+            result.samples[r.request_id] = row[: commit_lens[i]]
+            gated = r.request_id not in self.drafter.ungated
+            result.num_drafts[r.request_id] = int(num[i]) if gated else 0
+        if self.widths is not None:
+            self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
+
+    def _track_arrays(self, output: SchedulerOutput, b: int):
+        """(track slots, track steps [b], -1: none) of the rows that snapshot in this step."""
         track_slots = np.full(b, -1, np.int32)
         track_steps = np.full(b, -1, np.int32)
-        for i, r in enumerate(requests):
+        for i, r in enumerate(output.decode):
             if r.request_id in output.track:
                 track_slots[i], tp = output.track[r.request_id]
                 track_steps[i] = tp.ith
+        return track_slots, track_steps
+
+    def _chain(self, last, drafts, num, batch, rows, b: int, mode: str, output):
+        """The chain verify and the drafter's rollback: (picks, drafts per row)."""
         state = self.state
+        track_slots, track_steps = self._track_arrays(output, b)
         picked, state.cache = verify_step(
             state.graphdef,
             state.params,
@@ -110,33 +144,50 @@ class Verifier:
             commit_recurrent=self.commit_recurrent,
             track=bool(output.track),
         )
-        tokens, commit_lens, *logprobs = picked
         track = (track_slots, track_steps) if output.track else None
-        self.drafter.rollback(batch.slots, commit_lens, track)
-        host = jax.device_get((commit_lens, tokens, *logprobs))  # one transfer
-        commit_lens, num = np.asarray(host[0]), np.asarray(num)
-        samples = host_samples(host[1:], rows, mode)
-        n = len(requests)
-        self.counts["draft_tokens"] += int(num[:n].sum())
-        self.counts["accepted_tokens"] += int(commit_lens[:n].sum()) - n
-        self.counts["verify_rows"] += n
-        for i, (r, row) in enumerate(zip(requests, samples, strict=True)):
-            result.samples[r.request_id] = row[: commit_lens[i]]
-            gated = r.request_id not in self.drafter.ungated
-            result.num_drafts[r.request_id] = int(num[i]) if gated else 0
-        if self.widths is not None:
-            self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
+        self.drafter.rollback(batch.slots, picked[1], track)
+        return picked, num
+
+    def _tree(self, parents, last, drafts, num, batch, rows, b: int, mode: str, output):
+        """The tree verify and the drafter's rollback to the accepted path: (picks, each
+        row's tree depth, which adaptive drafting counts as its drafts)."""
+        state = self.state
+        track_slots, track_steps = self._track_arrays(output, b)
+        picked, accepted, depth, state.cache = verify_tree_step(
+            state.graphdef,
+            state.params,
+            last,
+            drafts,
+            parents,
+            num,
+            state.cache,
+            batch,
+            *self.buckets.sampling(rows, b, mode),
+            track_slots,
+            track_steps,
+            mode=mode,
+            commit_recurrent=self.commit_recurrent,
+            track=bool(output.track),
+        )
+        track = (track_slots, track_steps) if output.track else None
+        self.drafter.rollback_tree(batch.slots, accepted, picked[1], track)
+        return picked, depth
 
     def _narrow(self, output: SchedulerOutput, max_drafts, b: int):
         """(width, each row's most drafts) chosen on the rows' room and acceptance. Probing
-        rows draft one token at least: a probe is what tells whether a resting request's
-        drafts got better."""
+        rows (and rows not yet verified) draft the probe width at least: a probe is what
+        tells whether a request's drafts got better."""
         alphas = [r.spec_alpha for r in output.decode]
         w = self.widths.choose(alphas, max_drafts, b)
-        if w == 0 and output.probes:
-            probes = [r.request_id in output.probes for r in output.decode]
-            return 1, [min(n, 1) if p else 0 for n, p in zip(max_drafts, probes, strict=True)]
+        probes = self._probing(output)
+        if w == 0 and any(probes):
+            w = self.widths.probe_width(b)
+            return w, [min(n, w) if p else 0 for n, p in zip(max_drafts, probes, strict=True)]
         return w, [min(n, w) for n in max_drafts]
+
+    @staticmethod
+    def _probing(output: SchedulerOutput) -> list[bool]:
+        return [r.request_id in output.probes or r.spec_trials == 0 for r in output.decode]
 
     def _fit(self, output: SchedulerOutput, drafts, num, b: int):
         """(width, drafts [B, width], num) with the width chosen again on the drafts each row
@@ -145,12 +196,13 @@ class Verifier:
         n = len(output.decode)
         alphas = [r.spec_alpha for r in output.decode]
         w = self.widths.choose(alphas, num[:n].tolist(), b)
-        if w == 0 and output.probes:
-            w = 1 if num.any() else 0
+        if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):
+            w = int(num.max())
+            w = next(c for c in self.widths.widths if c >= w)
         num = np.minimum(num, w)
-        xp = jnp if isinstance(drafts, jax.Array) else np
-        drafts = drafts[:, :w]
-        if drafts.shape[1] < w:
+        if drafts.shape[1] != w:  # a device slice or pad costs a dispatch: only when needed
+            xp = jnp if isinstance(drafts, jax.Array) else np
+            drafts = drafts[:, :w]
             drafts = xp.pad(drafts, ((0, 0), (0, w - drafts.shape[1])))
         return w, drafts, num
 
@@ -168,8 +220,7 @@ class Verifier:
             sampling = self.buckets.sampling([], b, "greedy")
             for w in (0, *self.widths.widths):
                 call = functools.partial(self._padding_step, w, batch, sampling)
-                seconds = self._time(call, repeats)
-                self.widths.curve.observe(w, b, seconds)
+                self.widths.curve.profile(w, b, self._time(call, repeats))
 
     def _padding_step(self, w: int, batch, sampling):
         state, b = self.state, batch.slots.shape[0]
@@ -187,6 +238,7 @@ class Verifier:
                 mode="greedy",
             )
             return out
+        draft = self.drafter.padding_step(batch, w)
         out, state.cache = verify_step(
             state.graphdef,
             state.params,
@@ -202,7 +254,7 @@ class Verifier:
             commit_recurrent=self.commit_recurrent,
             track=False,
         )
-        return out
+        return out, draft
 
     @staticmethod
     def _time(call, repeats: int) -> float:

@@ -2,12 +2,13 @@
 
 A verify window of w drafts costs `cost(w, rows)` seconds for a batch of `rows` (w = 0: the
 plain decode step), profiled at start-up (`Verifier.profile`) and refreshed from every step's
-measured time (an EMA per point). A request whose drafts are each accepted with probability
-alpha (given the one before was) emits `expected_tokens(alpha, m)` tokens from a window of m
-drafts. A step picks the width w maximising the batch's expected tokens per second,
-sum_r E(alpha_r, min(w, n_r)) / cost(w, rows), where n_r is what request r can draft (its
-room, or what the drafter found). Width 0 is plain decoding: the step pays only where drafts
-are likely enough to be accepted, which is what DSpark does per request (arXiv 2607.05147).
+measured time (the median of each point's recent steps). A request whose drafts are each
+accepted with probability alpha (given the one before was) emits `expected_tokens(alpha, m)`
+tokens from a window of m drafts. A step picks the width w maximising the batch's expected
+tokens per second, sum_r E(alpha_r, min(w, n_r)) / cost(w, rows), where n_r is what request r
+can draft (its room, or what the drafter found). Width 0 is plain decoding: the step pays only
+where drafts are likely enough to be accepted, which is what DSpark does per request (arXiv
+2607.05147).
 
 `break_even(rows)` is the acceptance below which no width beats a plain step for one request:
 the scheduler's adaptive drafting rests requests below it (and probes them now and then), so a
@@ -17,11 +18,17 @@ request whose drafts fail stops paying for windows.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 from collections.abc import Sequence
 
-# Weight of a new measurement in a point's EMA: a few steps follow a change of load, and one
-# noisy step (a CPU shared with others) moves the point by a third at most.
-SMOOTHING = 0.3
+# A live point is the median of its last this many steps: it follows a change of load within
+# a few steps, and one slow step (a CPU shared with others, a collection) does not move it. An
+# EMA did: one 10x step set a window's price so high that it was never tried again.
+WINDOW = 9
+# Live steps a point needs before they price it instead of its profile: the first steps of a
+# width may compile something small (under OUTLIER) that one median of two would still show.
+MIN_LIVE = 3
 # A step slower than this many times its point's estimate is not the width's price: a first
 # call that compiled (a sampling mode, a table width), or the machine stalling.
 OUTLIER = 5.0
@@ -45,12 +52,21 @@ def candidate_widths(max_drafts: int) -> tuple[int, ...]:
 
 
 class CostCurve:
-    """Seconds per step by (drafts per row, batch rows); between measured batch sizes of a
-    width, linear; outside them, the nearest."""
+    """Seconds per step by (drafts per row, batch rows). Two sources: the start-up profile
+    (the compiled calls alone, on padding rows) and the live steps (a whole engine step: the
+    host's part and the drafter's too). A point measured live is its own price; one only
+    profiled is priced at its profile plus the host's part that the plain step shows at that
+    batch size (live minus profiled), so that profiled and measured points compare. Between
+    measured batch sizes of a width, linear; outside them, the nearest."""
 
     def __init__(self) -> None:
-        self.seconds: dict[tuple[int, int], float] = {}
+        self.seconds: dict[tuple[int, int], float] = {}  # live: the median of `_recent`
+        self._recent: dict[tuple[int, int], collections.deque] = {}
+        self.profiled: dict[tuple[int, int], float] = {}
         self.frozen = False  # True: live steps no longer move the curve (a pinned curve)
+
+    def profile(self, width: int, rows: int, seconds: float) -> None:
+        self.profiled[width, rows] = seconds
 
     def observe(self, width: int, rows: int, seconds: float) -> None:
         if self.frozen:
@@ -58,21 +74,43 @@ class CostCurve:
         estimate = self.cost(width, rows)
         if estimate is not None and seconds > OUTLIER * estimate:
             return
-        old = self.seconds.get((width, rows))
-        self.seconds[width, rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        recent = self._recent.setdefault((width, rows), collections.deque(maxlen=WINDOW))
+        recent.append(seconds)
+        self.seconds[width, rows] = statistics.median(recent)
 
     def cost(self, width: int, rows: int) -> float | None:
-        if (width, rows) in self.seconds:
-            return self.seconds[width, rows]
-        known = sorted(b for w, b in self.seconds if w == width)
-        if not known:
-            return None
-        i = bisect.bisect_left(known, rows)
-        if i == 0 or i == len(known):
-            return self.seconds[width, known[min(i, len(known) - 1)]]
-        lo, hi = known[i - 1], known[i]
-        a, b = self.seconds[width, lo], self.seconds[width, hi]
-        return a + (b - a) * (rows - lo) / (hi - lo)
+        live = _interpolate(self.seconds, width, rows)
+        if (width, rows) in self.seconds and self._measured(width, rows):
+            return live
+        profiled = _interpolate(self.profiled, width, rows)
+        if profiled is None:
+            return live
+        return profiled + self._host(rows)
+
+    def _measured(self, width: int, rows: int) -> bool:
+        recent = self._recent.get((width, rows))
+        return recent is None or len(recent) >= MIN_LIVE  # None: set directly (a pinned curve)
+
+    def _host(self, rows: int) -> float:
+        """The host's part of a step at `rows`: a live plain step less its profile."""
+        live, profiled = _interpolate(self.seconds, 0, rows), _interpolate(self.profiled, 0, rows)
+        if live is None or profiled is None:
+            return 0.0
+        return max(live - profiled, 0.0)
+
+
+def _interpolate(points: dict, width: int, rows: int) -> float | None:
+    if (width, rows) in points:
+        return points[width, rows]
+    known = sorted(b for w, b in points if w == width)
+    if not known:
+        return None
+    i = bisect.bisect_left(known, rows)
+    if i == 0 or i == len(known):
+        return points[width, known[min(i, len(known) - 1)]]
+    lo, hi = known[i - 1], known[i]
+    a, b = points[width, lo], points[width, hi]
+    return a + (b - a) * (rows - lo) / (hi - lo)
 
 
 class WidthPolicy:
@@ -104,14 +142,19 @@ class WidthPolicy:
     def break_even(self, rows: int = 1) -> float:
         """The acceptance at which the best width's expected tokens per second equal a plain
         step's, for one request in a batch of `rows` (0 when nothing is priced: no resting)."""
+        return self._first_paying(rows)[1]
+
+    def probe_width(self, rows: int = 1) -> int:
+        """The width a probe drafts: the one that starts paying first (at the break-even),
+        so that a probe tests the window its request would get if its drafts got better."""
+        return self._first_paying(rows)[0]
+
+    def _first_paying(self, rows: int) -> tuple[int, float]:
         priced = self._priced(rows)
         if len(priced) < 2 or priced[0][0] != 0:
-            return 0.0
+            return 1, 0.0
         plain = priced[0][1]
-        best = 1.0
-        for w, c in priced[1:]:
-            best = min(best, _solve(w, c / plain))
-        return best
+        return min(((w, _solve(w, c / plain)) for w, c in priced[1:]), key=lambda x: x[1])
 
 
 def _solve(width: int, ratio: float) -> float:

@@ -176,6 +176,10 @@ def test_batch_jsonl_file_to_stdout(checkpoint, reference, capsys, tmp_path):
             + ["--speculative-corpus", "{tmp}/none", "--corpus-num-tokens", "2"],
             "none' is neither a file nor a directory",
         ),
+        (
+            ["--prompt-ids", "1", "--speculative-method", "ngram", "--speculative-topk", "9"],
+            "speculative topk must be in",
+        ),
         (["--prompt-ids", "1", "--num-processes", "2"], "missing --coordinator-address"),
         (
             [
@@ -242,6 +246,29 @@ def test_lookup_first_flags_keep_greedy_output(checkpoint, reference, capsys, mo
     assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
     config = built[0].speculative
     assert (config.num_draft_tokens, config.prompt_lookup_num_tokens) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (["--speculative-topk", "2"], ("fixed", 2)),
+        (["--speculative-width-policy", "cost"], ("cost", 1)),
+    ],
+)
+def test_tree_and_width_flags_keep_greedy_output(
+    checkpoint, reference, capsys, monkeypatch, flags, want
+):
+    built, real = [], generate_command.llm_from_args
+    monkeypatch.setattr(
+        generate_command, "llm_from_args", lambda args: built.append(real(args)) or built[-1]
+    )
+    argv = ["generate", "--model", checkpoint, "--prompt-ids", "5,6,7", "--max-tokens", "4"]
+    spec = ["--speculative-method", "draft_model", "--draft-model", checkpoint]
+    spec += ["--num-draft-tokens", "2", *flags, "--no-prefix-caching"]
+    rc, out, _ = run(capsys, *argv, *FLAGS, *spec)
+    assert rc == 0 and json.loads(out)["token_ids"] == reference[0].token_ids
+    config = built[0].speculative
+    assert (config.width_policy, config.topk) == want
 
 
 def test_async_scheduling_flag_keeps_greedy_output(checkpoint, reference, capsys, monkeypatch):

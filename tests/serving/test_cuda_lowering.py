@@ -26,6 +26,7 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 NGRAM = {"method": "ngram", "num_draft_tokens": 3}
+DRAFT_TREE = {"method": "draft_model", "num_draft_tokens": 4, "topk": 2}
 # TP x DCP: jax >= 0.11 lowers the Triton call only under an abstract GPU mesh, and shard_map
 # then refuses the engine's concrete (CPU) mesh; jax 0.10 lowers it as it is.
 SHARDED_NEEDS_JAX_0_10 = pytest.mark.skipif(
@@ -53,8 +54,10 @@ SHARDED_NEEDS_JAX_0_10 = pytest.mark.skipif(
             {"tensor_parallel_size": 4, "dcp_size": 2},
             marks=[pytest.mark.heavy, SHARDED_NEEDS_JAX_0_10],
         ),
+        # Draft trees: the tree verify (the kernel over the prefix) and the draft's top-k.
+        pytest.param(DRAFT_TREE, "auto", {}, marks=pytest.mark.heavy),
     ],
-    ids=["plain", "ngram", "draft-bf16", "ngram-tp4-dcp2"],
+    ids=["plain", "ngram", "draft-bf16", "ngram-tp4-dcp2", "draft-tree"],
 )
 def test_engine_steps_lower_for_cuda(speculative, dtype, parallel):
     """Greedy and sampled requests, a prefix hit: every step the engine ran lowers for CUDA,
@@ -71,6 +74,8 @@ def test_engine_steps_lower_for_cuda(speculative, dtype, parallel):
 
     assert not lowering.failures, lowering.failures
     targets = ["verify_step"] if speculative else ["decode_steps"]
+    if speculative == DRAFT_TREE:
+        targets = ["verify_tree_step"]
     if speculative == NGRAM:
         # Draftless runs, and the decode program of steps where no row drafts (sampled rows
         # step one call at a time): the plain engine's steps, so that case can be heavy.

@@ -16,6 +16,7 @@ from serving.core.sampling import SamplingParams
 from serving.engine import LLM
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.widths import (
+    WINDOW,
     CostCurve,
     WidthPolicy,
     candidate_widths,
@@ -107,12 +108,42 @@ def test_curve_interpolates_refreshes_and_drops_outliers():
     assert curve.cost(1, 16) == 3.0 and curve.cost(1, 0) == 1.0  # the nearest outside
     assert curve.cost(2, 5) is None  # a width never measured
     curve.observe(1, 1, 2.0)
-    assert curve.cost(1, 1) == pytest.approx(1.3)  # the EMA moved by SMOOTHING
-    curve.observe(1, 1, 100.0)  # a compiling call
-    assert curve.cost(1, 1) == pytest.approx(1.3)
+    assert curve.cost(1, 1) == pytest.approx(1.5)  # the median of the recent steps
+    curve.observe(1, 1, 4.9)  # one slow step
+    assert curve.cost(1, 1) == pytest.approx(2.0)
+    curve.observe(1, 1, 100.0)  # a compiling call: dropped
+    assert curve.cost(1, 1) == pytest.approx(2.0)
+    for _ in range(WINDOW):  # a lasting change of price: followed
+        curve.observe(1, 1, 3.0)
+    assert curve.cost(1, 1) == pytest.approx(3.0)
     curve.frozen = True
     curve.observe(1, 1, 1.0)
-    assert curve.cost(1, 1) == pytest.approx(1.3)
+    assert curve.cost(1, 1) == pytest.approx(3.0)
+
+
+def test_profiled_points_carry_the_host_part_of_the_live_plain_step():
+    curve = CostCurve()
+    for w, c in {0: 1.0, 1: 1.5, 2: 1.8}.items():
+        curve.profile(w, 4, c)
+    assert curve.cost(1, 4) == 1.5  # nothing live yet
+    curve.observe(0, 4, 1.4)  # a whole plain step: 0.4 of host work on top of its profile
+    assert curve.cost(0, 4) == 1.4
+    assert curve.cost(1, 4) == pytest.approx(1.9) and curve.cost(2, 4) == pytest.approx(2.2)
+    curve.observe(1, 4, 2.5)
+    assert curve.cost(1, 4) == pytest.approx(1.9)  # one live step does not price it yet
+    curve.observe(1, 4, 2.5)
+    curve.observe(1, 4, 2.5)  # MIN_LIVE steps: measured live, its own price
+    assert curve.cost(1, 4) == 2.5
+
+
+def test_probe_width_is_the_first_to_pay():
+    # Windows of 1 and 2 cost 1.9 and 2.0 steps, of 4 2.2: the 4-wide pays from the lowest
+    # acceptance (E(a, 4) = 2.2 at a ~ 0.57; 1 + a + a^2 = 2 needs 0.62, 1 + a = 1.9 0.9).
+    policy = WidthPolicy(4, _curve(1.0, {1: 1.9, 2: 2.0, 4: 2.2}))
+    assert policy.probe_width(4) == 4
+    assert policy.break_even(4) == pytest.approx(
+        min(a for a in np.linspace(0, 1, 100001) if expected_tokens(a, 4) >= 2.2), abs=1e-4
+    )
 
 
 def test_alpha_estimate_follows_the_windows():
@@ -121,6 +152,7 @@ def test_alpha_estimate_follows_the_windows():
     request = Request("r", [1], SamplingParams())
     assert request.spec_alpha == 0.5  # the prior
     policy = DraftPolicy(by="alpha")
+    assert policy.acceptance(request) == 1.0  # not verified yet: it drafts
     for _ in range(10):
         policy.record(request, 4, 4)  # every draft accepted
     assert request.spec_alpha > 0.9
@@ -173,7 +205,7 @@ def _windows(llm, monkeypatch):
 
 def test_start_up_profile_prices_every_width(model, reference):
     llm = _engine(model, reference, lambda p: False)
-    seconds = llm.runner.widths.curve.seconds
+    seconds = llm.runner.widths.curve.profiled
     assert set(seconds) == set(itertools.product((0, 1, 2, 4), (1, 4)))
     assert all(s > 0 for s in seconds.values())
     policy = llm.scheduler.draft_policy
@@ -198,9 +230,10 @@ def test_costly_windows_and_failing_drafts_rest_the_requests(model, reference, m
     windows = _windows(llm, monkeypatch)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
     # The first window at the prior alpha 0.5 is 2 wide (1.75 tokens for 1.6 steps beats
-    # 1.5 for 1.4), then only probes, 16 and 32 verifies later, one draft each.
-    assert windows[0] == 2 and set(windows[1:]) == {1} and len(windows) <= 3
-    assert llm.runner.spec_counts["draft_tokens"] <= 3 * 2 + 3 * 2
+    # 1.5 for 1.4), then only probes 16 verifies later (the next would come 32 after that,
+    # past the 40 tokens), each request on its own, 1 draft: the width that pays first.
+    assert windows[0] == 2 and set(windows[1:]) == {1} and len(windows) <= 1 + 3
+    assert llm.runner.spec_counts["draft_tokens"] <= 3 * 2 + 3
 
 
 def test_cheap_windows_and_accepted_drafts_go_widest(model, reference, monkeypatch):
@@ -213,12 +246,19 @@ def test_cheap_windows_and_accepted_drafts_go_widest(model, reference, monkeypat
     assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
 
 
-def test_steps_refresh_the_curve(model, reference):
-    llm = _engine(model, reference, lambda p: False)
-    before = dict(llm.runner.widths.curve.seconds)
+@pytest.mark.parametrize("wrong", [False, True])
+def test_steps_refresh_the_curve(model, reference, wrong):
+    """Drafts always accepted: the windows the run used are measured live; always rejected:
+    the requests rest, and the plain steps are measured."""
+    llm = _engine(model, reference, lambda p: wrong)
+    curve = llm.runner.widths.curve
+    assert not curve.seconds  # only profiled so far
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    after = llm.runner.widths.curve.seconds
-    assert any(after[key] != before[key] for key in before)
+    assert all(s > 0 and rows == 4 for (w, rows), s in curve.seconds.items())
+    if wrong:
+        assert (0, 4) in curve.seconds
+    else:
+        assert any(w > 0 for w, _ in curve.seconds)
 
 
 def test_bad_width_policy(model):
