@@ -213,8 +213,10 @@ class LLM:
         )
         policy = DraftPolicy(spec.min_acceptance) if spec else None
         if runner.widths is not None:
-            # The curve at start-up: one row, and the most rows a step can hold.
-            rows = sorted({1, runner.buckets.rows(self.max_num_seqs)})
+            # The curve at start-up, at every batch bucket a step may take: each width's
+            # programs compile here rather than in the middle of serving.
+            top = runner.buckets.rows(self.max_num_seqs)
+            rows = [b for b in runner.buckets.batch_buckets if b <= top]
             runner.verifier.profile(rows)
             policy = DraftPolicy(runner.widths.break_even(1), by="alpha")
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):

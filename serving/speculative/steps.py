@@ -142,7 +142,9 @@ class Verifier:
             track_steps,
             mode=mode,
             commit_recurrent=self.commit_recurrent,
-            track=bool(output.track),
+            # Cost-aware widths run several widths: one program each (the profile compiles
+            # them), not two, so that a track point does not compile a window's second.
+            track=bool(output.track) or self.widths is not None,
         )
         track = (track_slots, track_steps) if output.track else None
         self.drafter.rollback(batch.slots, picked[1], track)
@@ -221,11 +223,14 @@ class Verifier:
             for w in (0, *self.widths.widths):
                 call = functools.partial(self._padding_step, w, batch, sampling)
                 self.widths.curve.profile(w, b, self._time(call, repeats))
+            jax.block_until_ready(self._padding_step(-1, batch, sampling))  # compiled only
 
     def _padding_step(self, w: int, batch, sampling):
         state, b = self.state, batch.slots.shape[0]
         zeros = np.zeros(b, np.int32)
-        if w == 0:
+        if w < 0:  # the one-token window of a step where only a track point verifies
+            w = 0
+        elif w == 0:
             out, _, state.cache = decode_steps(
                 state.graphdef,
                 state.params,
@@ -238,7 +243,7 @@ class Verifier:
                 mode="greedy",
             )
             return out
-        draft = self.drafter.padding_step(batch, w)
+        draft = self.drafter.padding_step(batch, w) if w else None
         out, state.cache = verify_step(
             state.graphdef,
             state.params,
@@ -252,7 +257,7 @@ class Verifier:
             zeros - 1,
             mode="greedy",
             commit_recurrent=self.commit_recurrent,
-            track=False,
+            track=True,  # as `_chain` runs it under cost-aware widths
         )
         return out, draft
 
