@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_linear_jax.cache import Batch, init_cache
-from kimi_linear_jax.model import decode_step, prefill_step
+from kimi_linear_jax.cache import Batch
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.core.sampling import SamplingBatch, SamplingParams
 from serving.speculative.tree_verify import tree_accept, verify_tree_step
+from tests.serving.test_speculative import _copy, _plain, _setup
 
 # A tree of 6 nodes: 0 the root; 1, 2 its children; 3 under 2; 4 under 3; 5 under 1.
 PARENTS = [-1, 0, 0, 2, 3, 1]
@@ -119,30 +119,6 @@ def test_tree_rejection_sampling_keeps_the_target_law():
 @pytest.fixture(scope="module")
 def model():
     return random_model(preset("tiny"))
-
-
-def _setup(model):
-    graphdef, params = nnx.split(model)
-    cache = init_cache(model.config, num_slots=3, num_pages=8, page_size=16, dtype=model.dtype)
-    prompt = jnp.asarray([list(range(10, 30))], jnp.int32)
-    n = prompt.shape[1]
-    table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    batch = Batch(jnp.asarray([1]), table, jnp.asarray([0]), jnp.asarray([n]))
-    logits, cache = prefill_step(graphdef, params, prompt, cache, batch)
-    return graphdef, params, cache, table, n, int(jnp.argmax(logits[0]))
-
-
-def _plain(graphdef, params, cache, table, start, tokens):
-    out = []
-    for i, t in enumerate(tokens):
-        batch = Batch(jnp.asarray([1]), table, jnp.asarray([start + i]), jnp.asarray([1]))
-        logits, cache = decode_step(graphdef, params, jnp.asarray([[t]]), cache, batch)
-        out.append(int(jnp.argmax(logits[0, -1])))
-    return out, cache
-
-
-def _copy(cache):
-    return jax.tree.map(jnp.copy, cache)
 
 
 def test_accepted_branch_commits_the_plain_state(model):
