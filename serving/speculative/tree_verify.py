@@ -34,14 +34,7 @@ from serving.core.sampling import (
     token_logprobs,
 )
 from serving.core.sampling import sample as sample_tokens
-from serving.speculative.verify import track_rows, write_track
-
-
-def _per_node(batch: SamplingBatch, depth: jax.Array) -> SamplingBatch:
-    """Row parameters repeated for each node, the PRNG step at the node's output position."""
-    t = depth.shape[1]
-    rep = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), batch)
-    return rep._replace(step=rep.step + depth.reshape(-1))
+from serving.speculative.verify import per_position, track_rows, write_track
 
 
 def _targets(logits, depth, batch: SamplingBatch, sample: bool) -> jax.Array:
@@ -52,7 +45,7 @@ def _targets(logits, depth, batch: SamplingBatch, sample: bool) -> jax.Array:
         return greedy_tokens
     b, t, v = logits.shape
     drawn, _, _ = sample_tokens(
-        logits.reshape(b * t, v), _per_node(batch, depth), num_top_logprobs=1
+        logits.reshape(b * t, v), per_position(batch, depth), num_top_logprobs=1
     )
     greedy = (batch.temperature <= 0.0)[:, None]
     return jnp.where(greedy, greedy_tokens, drawn.reshape(b, t))
@@ -91,9 +84,9 @@ def _path_rows(rows, path):
     return tuple(jnp.take_along_axis(r, path[:, :, None], axis=1) for r in rows)
 
 
-def _track_on_path(per_step, path, track_slots, track_steps, commit_lens, cache):
-    """Snapshot, into track_slots[b], the state of path node track_steps[b] (a window step),
-    where that step was accepted."""
+def _track_on_path(per_step, path, track_steps, commit_lens):
+    """(the track rows, their nodes, the bound `write_track` checks them by): the state of
+    path node track_steps[b] (a window step) where that step was accepted; node -1 else."""
     valid = (track_steps >= 0) & (track_steps < commit_lens)
     at = jnp.take_along_axis(path, jnp.maximum(track_steps, 0)[:, None], axis=1)[:, 0]
     nodes = jnp.where(valid, at, -1)
@@ -155,9 +148,7 @@ def verify_tree_step(
     if commit_recurrent:
         snaps, nodes, reach = (), None, None
         if track:
-            snaps, nodes, reach = _track_on_path(
-                per_step, path, track_slots, track_steps, commit_lens, cache
-            )
+            snaps, nodes, reach = _track_on_path(per_step, path, track_steps, commit_lens)
         n = jnp.where(live, accept + 1, 0)
         cache = commit_kda(cache, per_step, batch.slots, n, after=(logits, snaps))
         if track:

@@ -60,10 +60,12 @@ def target_probs(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(probs, jnp.argsort(order, axis=-1), axis=-1)
 
 
-def _per_position(batch: SamplingBatch, t: int) -> SamplingBatch:
-    """Row parameters repeated for each of t window positions, the PRNG step advancing."""
+def per_position(batch: SamplingBatch, offsets: jax.Array) -> SamplingBatch:
+    """Row parameters repeated for each of a window's T positions, the PRNG step advanced by
+    offsets [B, T] (a chain: the position; a tree: the node's depth), flattened to B * T."""
+    t = offsets.shape[1]
     rep = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), batch)
-    return rep._replace(step=rep.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), batch.step.size))
+    return rep._replace(step=rep.step + offsets.reshape(-1).astype(rep.step.dtype))
 
 
 def _leading_true(ok: jax.Array) -> jax.Array:
@@ -82,7 +84,7 @@ def accept(
     greedy_accepted = _leading_true((drafts == target[:, :-1]) & valid)
     if not sample:
         return target, greedy_accepted
-    flat = _per_position(batch, t)
+    flat = per_position(batch, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
     drawn, _, _ = sample_tokens(logits.reshape(b * t, v), flat, num_top_logprobs=1)
     drawn = drawn.reshape(b, t)
     accepted = _leading_true((drafts == drawn[:, :-1]) & valid)
