@@ -218,7 +218,10 @@ class LLM:
             top = runner.buckets.rows(self.max_num_seqs)
             rows = [b for b in runner.buckets.batch_buckets if b <= top]
             runner.verifier.profile(rows)
-            policy = DraftPolicy(runner.widths.break_even(1), by="alpha")
+            # A drafter that shadows measures resting requests for free: no probes.
+            policy = DraftPolicy(
+                runner.widths.break_even(1), by="alpha", probes=not drafter.shadows
+            )
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_ids", None):
             eos = tuple(self.tokenizer.eos_token_ids)
         else:

@@ -100,7 +100,7 @@ class EngineCore:
         tracked = self.outputs.tracked
         before = {rid: len(tracked[rid].request.output_token_ids) for rid in sampled}
         tokens = {rid: [s.token for s in v] for rid, v in sampled.items()}
-        self.scheduler.update(output, tokens, result.num_drafts)
+        self.scheduler.update(output, tokens, result.num_drafts, result.shadows)
         self.outputs.record_prompt(result.prompt_logprobs)
         for rid, samples in sampled.items():
             self.outputs.record(rid, samples, before[rid])

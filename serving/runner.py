@@ -153,7 +153,7 @@ class ModelRunner:
         """Run one scheduled step from `output` alone: the samples of each row that samples
         (one for a prefill's last chunk, up to `output.decode_steps[i]` for a decode), the
         drafts each verify row proposed and the prompt logprobs of the prefill rows that ask."""
-        result = StepResult({}, {}, {})
+        result = StepResult({}, {}, {}, {})
         # Prefix-cache hits: the checkpoint is copied into the request's slot before its chunk.
         self._copy(output.restore_copies)
         if output.prefill:
@@ -286,4 +286,4 @@ class ModelRunner:
             r.request_id: row[: output.decode_steps[i]]
             for i, (r, row) in enumerate(zip(output.decode, samples, strict=True))
         }
-        return StepResult(by_row, {}, {})
+        return StepResult(by_row, {}, {}, {})

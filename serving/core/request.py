@@ -63,15 +63,18 @@ class Request:
     # an EMA over the request's windows.
     spec_hits: float = 0.0
     spec_trials: float = 0.0
+    # The estimate's prior mean: the engine's recent acceptance when the request arrived
+    # (`policy.AcceptancePool`), so that a new request starts where the workload's are.
+    spec_prior: float = 0.5
     # What a drafter keeps per request (the n-gram drafter: its corpus table's record).
     drafter_state: object = None
 
     @property
     def spec_alpha(self) -> float:
         """P(a draft is accepted | the one before it was): the truncated-geometric estimate
-        hits / trials with a uniform prior (one hit, one miss), so a new request starts at
-        0.5 and a few windows outweigh the prior."""
-        return (self.spec_hits + 1.0) / (self.spec_trials + 2.0)
+        hits / trials with a prior worth two trials at `spec_prior`, so a new request starts
+        there and a few windows outweigh the prior."""
+        return (self.spec_hits + 2.0 * self.spec_prior) / (self.spec_trials + 2.0)
 
     @property
     def num_tokens(self) -> int:

@@ -87,6 +87,8 @@ class Scheduler:
         self._validate(request)
         request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
         request.finish_reason, request.arrival = None, self._arrivals
+        if self.speculative:
+            request.spec_prior = self.draft_policy.prior()
         self._arrivals += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -288,6 +290,7 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[Hashable, int | Sequence[int]] | Sequence[int | None],
         num_drafts: Mapping[Hashable, int] | None = None,
+        shadows: Mapping[Hashable, bool] | None = None,
     ) -> list[Request]:
         """Advance the step's requests and append their sampled tokens; return those finished.
 
@@ -295,7 +298,8 @@ class Scheduler:
         is one entry per row of `output.rows` (entries of rows that do not sample are ignored).
         Tokens after one that finishes the request are dropped; requests aborted mid-step are
         skipped. `num_drafts`: the drafts each verify row proposed (its tokens are the accepted
-        ones plus one), for the adaptive speculation.
+        ones plus one), for the adaptive speculation; `shadows`: whether the shadow draft of
+        a row that verified none was the token it sampled (`Drafter.shadow`).
         """
         self._in_flight = False
         if not isinstance(sampled, Mapping):
@@ -303,7 +307,8 @@ class Scheduler:
             if len(sampled) != len(rows):
                 raise ValueError(f"{len(sampled)} sampled entries for {len(rows)} rows")
             sampled = {r.request_id: t for r, t in zip(rows, sampled, strict=True)}
-        self._record_acceptance(output, sampled, num_drafts or {})
+        if self.speculative:
+            self.draft_policy.record_step(output.decode, sampled, num_drafts, shadows)
         self.cache.donate(output, sampled, self.requests)
         if output.advanced:
             return self._append_pending(output, sampled)
@@ -322,13 +327,6 @@ class Scheduler:
                 # comes next step).
                 self.cache.release_tail(request.request_id, request.num_tokens)
         return finished
-
-    def _record_acceptance(self, output: SchedulerOutput, sampled, num_drafts) -> None:
-        for request in output.decode:
-            n = num_drafts.get(request.request_id, 0)
-            if n > 0:
-                accepted = len(sampled[request.request_id]) - 1
-                self.draft_policy.record(request, accepted, n)
 
     def stop(self, request: Request, num_output_tokens: int, reason: str = "stop") -> None:
         """End `request` after its first `num_output_tokens` outputs (a stop string found on

@@ -36,6 +36,16 @@ class Drafter:
         """Up to `max_drafts` draft tokens continuing `request.all_token_ids`."""
         raise NotImplementedError
 
+    # True when `shadow` drafts for nothing (a host lookup): a request that verifies no draft
+    # in a step is still measured, its shadow draft against the token the step samples, so
+    # cost-aware widths need no probe windows to see its drafts get better.
+    shadows: bool = False
+
+    def shadow(self, request) -> int | None:
+        """The first draft `propose` would give `request` now, or None (none, or a drafter
+        whose drafts cost a model step)."""
+        return None
+
     def propose(
         self, requests: Sequence, max_drafts: Sequence[int], batch, k: int, checkpointed=()
     ):

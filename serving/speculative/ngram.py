@@ -234,6 +234,13 @@ class NgramDrafter(Drafter):
         drafts = ngram_lookup(request.all_token_ids, max_drafts, self.max_n, self.min_n)
         return drafts or self._table_tokens(request, max_drafts)
 
+    shadows = True
+
+    def shadow(self, request) -> int | None:
+        # Prompt lookup alone: the corpus table scores its own drafts (`_table_may_draft`).
+        drafts = ngram_lookup(request.all_token_ids, 1, self.max_n, self.min_n)
+        return drafts[0] if drafts else None
+
     def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
         # The corpus table drafts a chain where the request's own tokens do not recur.
         tree = ngram_tree(request.all_token_ids, max_nodes, self.max_n, self.min_n, topk)

@@ -47,6 +47,12 @@ class OracleDrafter(Drafter):
             drafts.append((token + 1) % self.vocab_size if self.wrong(position) else token)
         return drafts
 
+    shadows = True
+
+    def shadow(self, request) -> int | None:
+        drafts = self.propose_tokens(request, 1)
+        return drafts[0] if drafts else None
+
     def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
         truth, done = self._truth(request)
         nodes: list[tuple[int, int]] = []

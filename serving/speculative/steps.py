@@ -91,9 +91,11 @@ class Verifier:
         drafted = bool(np.asarray(num).any())
         if self.widths is not None:  # the choice on what it did draft
             k, drafts, num = self._fit(output, drafts, num, b)
+        shadows = self._shadows(output, num)
         if not np.asarray(num).any():
             if not output.track:
-                return self._draftless(output, batch, result, t0, runs=not drafted)
+                self._draftless(output, batch, result, t0, runs=not drafted)
+                return _score(shadows, result)
             drafts, parents = drafts[:, :0], None  # the width-1 window: one of two compiled widths
         mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
@@ -112,8 +114,23 @@ class Verifier:
             result.samples[r.request_id] = row[: commit_lens[i]]
             gated = r.request_id not in self.drafter.ungated
             result.num_drafts[r.request_id] = int(num[i]) if gated else 0
+        _score(shadows, result)
         if self.widths is not None:
             self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
+
+    def _shadows(self, output: SchedulerOutput, num) -> dict:
+        """Under cost-aware widths, with a drafter that shadows: the shadow draft of each
+        row that verifies no draft in this step (resting, or narrowed to none), scored
+        against its first sample after the step (`_score`). A resting request is measured
+        so at no cost, where a probe window would cost more than a plain step."""
+        if self.widths is None or not self.drafter.shadows:
+            return {}
+        num, out = np.asarray(num), {}
+        for i, r in enumerate(output.decode):
+            token = None if num[i] else self.drafter.shadow(r)
+            if token is not None:
+                out[r.request_id] = token
+        return out
 
     def _track_arrays(self, output: SchedulerOutput, b: int):
         """(track slots, track steps [b], -1: none) of the rows that snapshot in this step."""
@@ -189,7 +206,7 @@ class Verifier:
 
     @staticmethod
     def _probing(output: SchedulerOutput) -> list[bool]:
-        return [r.request_id in output.probes or r.spec_trials == 0 for r in output.decode]
+        return [r.request_id in output.probes for r in output.decode]
 
     def _fit(self, output: SchedulerOutput, drafts, num, b: int):
         """(width, drafts [B, width], num) with the width chosen again on the drafts each row
@@ -280,10 +297,12 @@ class Verifier:
         its one step. Where the drafter's next proposal is foreseeable on device and every row
         may draft in every step (none rests or probes), the steps go on there until one would
         (`_until_recurs`). `runs` False: one plain step (cost-aware widths chose none
-        although rows drafted: their suffixes recur, so a run would stop at once)."""
+        although rows drafted: their suffixes recur, so a run would stop at once). A row
+        resting under cost-aware widths may run too: its shadow, the only thing it drafts,
+        exists where its suffix recurs, which ends a run."""
         requests = output.decode
         n = self.drafter.recurrence_n
-        steady = all(output.max_drafts) and not output.probes
+        steady = not output.probes and all(map(self._may_run, requests, output.max_drafts))
         if runs and self.draftless_runs and n is not None and steady:
             samples, steps = self._until_recurs(output, batch, n)
         else:
@@ -299,6 +318,14 @@ class Verifier:
         if self.widths is not None:  # per plain step: a run's steps are each one
             seconds = (time.perf_counter() - t0) / max(int(steps.max()), 1)
             self.widths.curve.observe(0, int(batch.slots.shape[0]), seconds)
+
+    def _may_run(self, request: Request, max_drafts: int) -> bool:
+        """Whether a row may join a draftless run: it may draft, or it rests and shadows (a
+        probe is counted in steps, and a penalised row samples on the host's counts)."""
+        if max_drafts:
+            return True
+        shadowed = self.widths is not None and self.drafter.shadows
+        return shadowed and not request.params.has_penalty
 
     def _until_recurs(self, output: SchedulerOutput, batch, n: int):
         """Run draftless rows' plain steps on device until some row's last n tokens recur
@@ -337,3 +364,9 @@ class Verifier:
         rows = host_samples(picked, list(requests), mode)
         samples = {r.request_id: row[: steps[i]] for i, (r, row) in enumerate(zip(requests, rows))}
         return samples, steps
+
+
+def _score(shadows: dict, result: StepResult) -> None:
+    """Whether each row's shadow draft was the token its step sampled first."""
+    for rid, token in shadows.items():
+        result.shadows[rid] = result.samples[rid][0].token == token

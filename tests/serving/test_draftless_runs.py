@@ -51,8 +51,10 @@ def test_suffix_recurs_equals_the_host_lookup():
 def _run(model, runs: bool, params, prompts=PROMPTS, **kw):
     """(tokens, logprobs, finish reason) per prompt and the metrics of an n-gram engine."""
     spec = kw.pop("speculative", {"method": "ngram", "num_draft_tokens": 4})
+    setup = kw.pop("setup", lambda llm: None)
     llm = LLM(model, speculative=spec, **{**SHAPES, **kw})
     llm.runner.verifier.draftless_runs = runs
+    setup(llm)
     proposals = _spy_proposals(llm.runner.drafter)
     outs = llm.generate(prompts, params, use_tqdm=False)
     seen = [(o.token_ids, o.logprobs, o.finish_reason) for o in outs]
@@ -130,5 +132,32 @@ def test_sampled_resting_rows_step_one_call_at_a_time(model):
     runs, m_runs, proposed_runs = _run(model, True, params, PROMPTS[:1], speculative=spec)
     assert runs == stepwise
     assert_same_proposals(proposed_runs, proposed_step)
+    assert {k: m_runs[k] for k in SPEC_KEYS} == {k: m_step[k] for k in SPEC_KEYS}
+    assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])
+
+
+def test_resting_rows_run_under_cost_aware_widths(model):
+    """Cost-aware widths on a pinned curve where windows cost 1.4-2 plain steps, in an engine
+    whose drafts have been failing (its pool's prior near 0): requests rest from the start
+    with no probes (the n-gram shadows), and their steps run on device as those of rows that
+    may draft do: the same tokens, windows and proposals in fewer engine steps."""
+    from serving.speculative.widths import CostCurve
+
+    def setup(llm):
+        curve = CostCurve()
+        curve.seconds = {(0, 1): 1.0, (1, 1): 1.4, (2, 1): 1.6, (4, 1): 2.0}
+        curve.frozen = True  # the same widths with and without runs
+        llm.runner.widths.curve = curve
+        pool = llm.scheduler.draft_policy.pool
+        pool.hits, pool.trials = 0.0, 50.0
+
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kw = dict(speculative=spec, setup=setup, batch_buckets=(1,), max_num_seqs=1)
+    stepwise, m_step, proposed_step = _run(model, False, params, **kw)
+    runs, m_runs, proposed_runs = _run(model, True, params, **kw)
+    assert runs == stepwise
+    assert set(proposed_runs) <= set(proposed_step)
+    assert all(proposed_runs[key] == proposed_step[key] for key in proposed_runs)
     assert {k: m_runs[k] for k in SPEC_KEYS} == {k: m_step[k] for k in SPEC_KEYS}
     assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])

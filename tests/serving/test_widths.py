@@ -4,6 +4,7 @@ their windows from it (greedy output stays plain's; failing drafts stop costing 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -152,7 +153,9 @@ def test_alpha_estimate_follows_the_windows():
     request = Request("r", [1], SamplingParams())
     assert request.spec_alpha == 0.5  # the prior
     policy = DraftPolicy(by="alpha")
-    assert policy.acceptance(request) == 1.0  # not verified yet: it drafts
+    assert policy.acceptance(request) == 0.5  # not verified yet: its prior
+    primed = Request("p", [1], SamplingParams(), spec_prior=0.9)  # the engine's pool
+    assert policy.acceptance(primed) == pytest.approx(0.9)
     for _ in range(10):
         policy.record(request, 4, 4)  # every draft accepted
     assert request.spec_alpha > 0.9
@@ -222,18 +225,59 @@ def test_cost_aware_greedy_equals_plain(model, reference, wrong, monkeypatch):
     assert llm.cache.allocator.num_free == llm.cache.allocator.capacity
 
 
+def test_pool_prior_and_shadow_record():
+    """The pool's prior is every request's recent per-draft acceptance (1.0 before any), and
+    a shadow counts as a window of one draft."""
+    from serving.core.policy import POOL_DECAY, DraftPolicy
+
+    policy = DraftPolicy(by="alpha")
+    assert policy.prior() == 1.0
+    a, b = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    policy.record_step([a, b], {"a": [5, 6, 7], "b": [5]}, {"a": 4, "b": 0}, {"b": False})
+    # a: 2 of 4 accepted (2 hits, 3 trials); b: a failed shadow (0 hits, 1 trial).
+    assert (a.spec_hits, a.spec_trials, b.spec_hits, b.spec_trials) == (2, 3, 0, 1)
+    assert policy.prior() == pytest.approx(2 * POOL_DECAY / (3 * POOL_DECAY + 1))
+    policy.record_step([b], {"b": [5]}, {}, {"b": True})
+    assert b.spec_hits == 1 and b.spec_trials == pytest.approx(0.8 + 1)
+    assert policy.pool.trials == pytest.approx(POOL_DECAY * (3 * POOL_DECAY + 1) + 1)
+    rested = dataclasses.replace(policy, min_acceptance=0.9, probes=False)
+    assert rested.pool is policy.pool  # one pool through the step's replace
+    assert rested.drafts(4, 0.1, 100, 0) == (0, 100, 0)  # no probe, however long it rested
+
+
 def test_costly_windows_and_failing_drafts_rest_the_requests(model, reference, monkeypatch):
-    """Windows twice a plain step and drafts that always fail: after the first window each
-    request rests (its alpha falls below the break-even) and only probes draft, one token."""
+    """Windows twice a plain step and drafts that always fail: the first requests of an
+    engine (prior 1.0) verify a few windows until their alpha falls below the break-even,
+    then rest with no probe (the oracle shadows); requests after them start at the pool's
+    prior, near 0, and verify no window at all."""
     curve = _curve(1.0, {1: 1.4, 2: 1.6, 4: 2.0})
     llm = _engine(model, reference, lambda p: True, curve)
     windows = _windows(llm, monkeypatch)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
-    # The first window at the prior alpha 0.5 is 2 wide (1.75 tokens for 1.6 steps beats
-    # 1.5 for 1.4), then only probes 16 verifies later (the next would come 32 after that,
-    # past the 40 tokens), each request on its own, 1 draft: the width that pays first.
-    assert windows[0] == 2 and set(windows[1:]) == {1} and len(windows) <= 1 + 3
-    assert llm.runner.spec_counts["draft_tokens"] <= 3 * 2 + 3
+    assert windows[0] == 4  # alpha 1.0: 5 tokens for 2 steps
+    assert 1 < len(windows) <= 8  # alpha 1 -> below the break-even (0.4) in a few windows
+    assert llm.scheduler.draft_policy.prior() < 0.05
+    windows.clear()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert windows == []
+    assert all(r.spec_trials == 0 for r in llm.scheduler.requests.values())  # all finished
+
+
+def test_shadows_bring_a_resting_request_back(model, reference, monkeypatch):
+    """Drafts that fail for the first 16 positions and then hold: the requests rest (no
+    probes) and their shadow drafts, scored every resting step, bring them back to windows
+    that accept."""
+    curve = _curve(1.0, {1: 1.4, 2: 1.6, 4: 2.0})
+    llm = _engine(model, reference, lambda p: p < 16, curve)
+    llm.scheduler.draft_policy.pool.hits = 0.0  # a pool that has seen drafts fail
+    llm.scheduler.draft_policy.pool.trials = 50.0
+    windows = _windows(llm, monkeypatch)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    # Resting to position 16 at least (no window before), then windows that accept: the
+    # 24 tokens left take fewer than 24 steps.
+    assert windows and m["spec_accepted_tokens"] >= 3 * 8
+    assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
 
 
 def test_cheap_windows_and_accepted_drafts_go_widest(model, reference, monkeypatch):
