@@ -105,14 +105,14 @@ class DraftPolicy:
         decode: Sequence[Request],
         sampled: Mapping[Hashable, Sequence[int]],
         num_drafts: Mapping[Hashable, int] | None,
-        shadows: Mapping[Hashable, bool] | None,
+        shadows: Mapping[Hashable, Sequence[bool]] | None,
     ) -> None:
-        """Record a step's windows (a row's tokens are its accepted drafts plus one) and the
-        shadows of the rows that verified no draft."""
+        """Record a step's shadows (each a window of one draft, hit or not, in order), then
+        its windows (a row's tokens are its accepted drafts plus one)."""
         num_drafts, shadows = num_drafts or {}, shadows or {}
         for request in decode:
             rid = request.request_id
+            for hit in shadows.get(rid, ()):
+                self.record(request, int(hit), 1)
             if num_drafts.get(rid, 0) > 0:
                 self.record(request, len(sampled[rid]) - 1, num_drafts[rid])
-            elif rid in shadows:
-                self.record(request, int(shadows[rid]), 1)

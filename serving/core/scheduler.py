@@ -290,7 +290,7 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[Hashable, int | Sequence[int]] | Sequence[int | None],
         num_drafts: Mapping[Hashable, int] | None = None,
-        shadows: Mapping[Hashable, bool] | None = None,
+        shadows: Mapping[Hashable, Sequence[bool]] | None = None,
     ) -> list[Request]:
         """Advance the step's requests and append their sampled tokens; return those finished.
 
@@ -298,8 +298,8 @@ class Scheduler:
         is one entry per row of `output.rows` (entries of rows that do not sample are ignored).
         Tokens after one that finishes the request are dropped; requests aborted mid-step are
         skipped. `num_drafts`: the drafts each verify row proposed (its tokens are the accepted
-        ones plus one), for the adaptive speculation; `shadows`: whether the shadow draft of
-        a row that verified none was the token it sampled (`Drafter.shadow`).
+        ones plus one), for the adaptive speculation; `shadows`: whether each shadow draft of a
+        row was the token that followed it (`Drafter.shadow`, `Drafter.take_shadows`).
         """
         self._in_flight = False
         if not isinstance(sampled, Mapping):

@@ -34,13 +34,13 @@ class InFlight(NamedTuple):
 class StepResult(NamedTuple):
     """What a step measured, for the scheduler to apply: each sampling row's samples in
     order, the drafts each verify row proposed (it accepted len(samples) - 1), the prompt
-    logprobs of the prefill rows that ask (`prompt_logprobs.entries`), and whether each
-    shadow draft of a row that verified none was its first sample (`Drafter.shadow`)."""
+    logprobs of the prefill rows that ask (`prompt_logprobs.entries`), and whether each of a
+    row's shadow drafts was the token that followed it, in order (`Drafter.shadow`)."""
 
     samples: dict[Hashable, list[Sample]]
     num_drafts: dict[Hashable, int]
     prompt_logprobs: dict[Hashable, Entries]
-    shadows: dict[Hashable, bool]
+    shadows: dict[Hashable, list[bool]]
 
 
 def sample_mode(requests: Sequence[Request]) -> str:

@@ -11,7 +11,10 @@ roll back: it keeps no per-step states and makes no rollback call (a compiled ca
 
 A row that rests (no drafts this step) runs no draft step: its last token joins the slot's
 `Lag`, written in one window pass before the draft next runs for it, before its state is
-copied, or once the lag is full.
+copied, or once the lag is full. That pass computes the draft's logits at every lag position,
+so under cost-aware widths (`keep_shadows`) it also scores them: whether the draft's greedy
+token was the one that followed (`take_shadows`), which measures a resting request's drafts
+with no probe window.
 
 Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup instead, up to
 `lookup_tokens` tokens, and runs no draft-model step in the window; after the verify the draft
@@ -90,7 +93,15 @@ def _write(graphdef, params, ids, cache, batch: Batch, track=None):
     return _commit(cache, per_step, batch.slots, batch.lengths, track, after=logits)
 
 
-_write_lag = jax.jit(_write, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _write_lag(graphdef, params, ids, cache, batch: Batch):
+    """A lag's window pass, and whether the draft's greedy token at each position but the
+    last was the token that followed ([B, W - 1], False past a row's lag): the shadow drafts
+    of the steps the row rested in, scored for the price of an argmax."""
+    logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
+    cache = _commit(cache, per_step, batch.slots, batch.lengths, None, after=logits)
+    hits = jnp.argmax(logits[:, :-1], axis=-1) == ids[:, 1:]
+    return cache, hits & (jnp.arange(ids.shape[1] - 1) < batch.lengths[:, None] - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -188,6 +199,7 @@ class DraftModelDrafter(Drafter):
         self._model_rows = None  # the rows the draft model ran for in the last window
         self._tree = None  # the last tree window: (chain [B, D], lookup rows, batch, topk)
         self.lag = Lag()
+        self._lag_hits: list = []
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         self.lag.drop(fresh_slots)
@@ -324,11 +336,28 @@ class DraftModelDrafter(Drafter):
     def _write_lags(self, slots, rows: int) -> None:
         work = self.lag.take(slots, rows)
         if work is not None:
-            self.cache = _write_lag(self.graphdef, self.params, work[0], self.cache, work[1])
+            ids, lag = work
+            self.cache, hits = _write_lag(self.graphdef, self.params, ids, self.cache, lag)
+            if self.keep_shadows:  # cost-aware widths: `take_shadows` drains them
+                self._lag_hits.append((lag.slots, lag.lengths, hits))
+
+    # A draft step costs a model step, but a resting row's shadows come with its lag pass.
+    shadows = True
+
+    def take_shadows(self) -> dict[int, list[bool]]:
+        """The lags written since the last call, scored: slot -> whether the draft's greedy
+        token at each lag position but the last was the token that followed, in order."""
+        taken, self._lag_hits = self._lag_hits, []
+        out: dict[int, list[bool]] = {}
+        for slots, lengths, hits in taken:
+            hits = np.asarray(hits)
+            for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+                out.setdefault(int(slot), []).extend(hits[i, : max(n - 1, 0)].tolist())
+        return {slot: h for slot, h in out.items() if h}
 
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None
-        self._tree = None
+        self._tree, self._lag_hits = None, []
         self.lag = Lag()
 
     def copy_slots(self, pairs, width: int) -> None:

@@ -36,15 +36,24 @@ class Drafter:
         """Up to `max_drafts` draft tokens continuing `request.all_token_ids`."""
         raise NotImplementedError
 
-    # True when `shadow` drafts for nothing (a host lookup): a request that verifies no draft
-    # in a step is still measured, its shadow draft against the token the step samples, so
-    # cost-aware widths need no probe windows to see its drafts get better.
+    # True when a request that verifies no draft in a step is still measured: its shadow
+    # draft against the token the step samples (`shadow`, a host lookup, free), or on the
+    # device (`take_shadows`), so cost-aware widths need no probe windows to see its drafts
+    # get better.
     shadows: bool = False
 
     def shadow(self, request) -> int | None:
         """The first draft `propose` would give `request` now, or None (none, or a drafter
         whose drafts cost a model step)."""
         return None
+
+    # Set by cost-aware widths: keep the device's shadows until `take_shadows`.
+    keep_shadows: bool = False
+
+    def take_shadows(self) -> dict[int, list[bool]]:
+        """Shadows scored on the device since the last call (a draft model's lag passes),
+        by state slot: whether each draft was the token that followed, oldest first."""
+        return {}
 
     def propose(
         self, requests: Sequence, max_drafts: Sequence[int], batch, k: int, checkpointed=()

@@ -58,6 +58,7 @@ class Verifier:
     ) -> None:
         self.state, self.buckets, self.drafter = state, buckets, drafter
         self.widths = widths  # cost-aware widths; None: each row drafts its room
+        drafter.keep_shadows = widths is not None
         self.topk = topk  # > 1: draft trees of num_draft_tokens nodes, topk children at most
         self.num_draft_tokens = num_draft_tokens
         self.commit_recurrent = commit_recurrent
@@ -95,7 +96,7 @@ class Verifier:
         if not np.asarray(num).any():
             if not output.track:
                 self._draftless(output, batch, result, t0, runs=not drafted)
-                return _score(shadows, result)
+                return self._score(output, shadows, result)
             drafts, parents = drafts[:, :0], None  # the width-1 window: one of two compiled widths
         mode = sample_mode(requests)
         rows: list[Request | None] = list(requests)
@@ -114,7 +115,7 @@ class Verifier:
             result.samples[r.request_id] = row[: commit_lens[i]]
             gated = r.request_id not in self.drafter.ungated
             result.num_drafts[r.request_id] = int(num[i]) if gated else 0
-        _score(shadows, result)
+        self._score(output, shadows, result)
         if self.widths is not None:
             self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
 
@@ -131,6 +132,20 @@ class Verifier:
             if token is not None:
                 out[r.request_id] = token
         return out
+
+    def _score(self, output: SchedulerOutput, shadows: dict, result: StepResult) -> None:
+        """Each row's shadows of this step (`StepResult.shadows`): its lag's, older, then
+        whether its host shadow draft was the token the step sampled first."""
+        if self.widths is None:
+            return
+        lag = self.drafter.take_shadows()
+        for r in output.decode:
+            rid = r.request_id
+            hits = list(lag.get(output.placement[rid].slot, ()))
+            if rid in shadows:
+                hits.append(result.samples[rid][0].token == shadows[rid])
+            if hits:
+                result.shadows[rid] = hits
 
     def _track_arrays(self, output: SchedulerOutput, b: int):
         """(track slots, track steps [b], -1: none) of the rows that snapshot in this step."""
@@ -364,9 +379,3 @@ class Verifier:
         rows = host_samples(picked, list(requests), mode)
         samples = {r.request_id: row[: steps[i]] for i, (r, row) in enumerate(zip(requests, rows))}
         return samples, steps
-
-
-def _score(shadows: dict, result: StepResult) -> None:
-    """Whether each row's shadow draft was the token its step sampled first."""
-    for rid, token in shadows.items():
-        result.shadows[rid] = result.samples[rid][0].token == token

@@ -4,9 +4,11 @@ their windows from it (greedy output stays plain's; failing drafts stop costing 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -233,11 +235,11 @@ def test_pool_prior_and_shadow_record():
     policy = DraftPolicy(by="alpha")
     assert policy.prior() == 1.0
     a, b = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
-    policy.record_step([a, b], {"a": [5, 6, 7], "b": [5]}, {"a": 4, "b": 0}, {"b": False})
+    policy.record_step([a, b], {"a": [5, 6, 7], "b": [5]}, {"a": 4, "b": 0}, {"b": [False]})
     # a: 2 of 4 accepted (2 hits, 3 trials); b: a failed shadow (0 hits, 1 trial).
     assert (a.spec_hits, a.spec_trials, b.spec_hits, b.spec_trials) == (2, 3, 0, 1)
     assert policy.prior() == pytest.approx(2 * POOL_DECAY / (3 * POOL_DECAY + 1))
-    policy.record_step([b], {"b": [5]}, {}, {"b": True})
+    policy.record_step([b], {"b": [5]}, {}, {"b": [True]})
     assert b.spec_hits == 1 and b.spec_trials == pytest.approx(0.8 + 1)
     assert policy.pool.trials == pytest.approx(POOL_DECAY * (3 * POOL_DECAY + 1) + 1)
     rested = dataclasses.replace(policy, min_acceptance=0.9, probes=False)
@@ -308,3 +310,44 @@ def test_steps_refresh_the_curve(model, reference, wrong):
 def test_bad_width_policy(model):
     with pytest.raises(ValueError, match="width_policy must be one of"):
         LLM(model, speculative={"method": "ngram", "width_policy": "greedy"}, **SHAPES)
+
+
+def test_draft_model_scores_resting_drafts_in_its_lag_pass(model, monkeypatch):
+    """A draft model's resting rows run no draft step; the pass that writes their lag (every
+    16 tokens) scores the draft's greedy token at each lag position but the last against the
+    token that followed. Those shadows, which the scheduler records, equal the no-cache
+    forward's argmax agreement with the sampled tokens; no probe window runs. The target
+    drafts for itself, sampled: its greedy token is the sampled one only sometimes."""
+    from flax import nnx
+
+    from kimi_linear_jax.model import forward
+    from serving.speculative.lag import MAX_LAG
+
+    spec = {"method": "draft_model", "num_draft_tokens": 4, "model": model}
+    llm = LLM(model, speculative={**spec, "width_policy": "cost"}, **SHAPES)
+    llm.runner.widths.curve = _curve(1.0, {1: 10.0, 2: 10.0, 4: 10.0})  # no window pays
+    recorded = collections.defaultdict(list)
+    update = llm.scheduler.update
+
+    def spy(output, sampled, num_drafts=None, shadows=None):
+        for rid, hits in (shadows or {}).items():
+            recorded[rid] += hits
+        return update(output, sampled, num_drafts, shadows)
+
+    monkeypatch.setattr(llm.scheduler, "update", spy)
+    params = SamplingParams(temperature=0.1, seed=1, max_tokens=36, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.metrics()["spec_draft_tokens"] == 0
+    graphdef, state, every = *nnx.split(model), []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens = prompt + out.token_ids
+        logits = forward(graphdef, state, jnp.asarray([tokens], jnp.int32))[0]
+        greedy = np.asarray(jnp.argmax(logits, axis=-1))
+        # The decode steps consume positions P .. P + 34 (P: the first sampled token); each
+        # full lag of 16 is written, scoring its first 15 positions.
+        p, want = len(prompt), []
+        for start in range(p, p + 35 - MAX_LAG + 1, MAX_LAG):
+            want += [bool(greedy[q] == tokens[q + 1]) for q in range(start, start + MAX_LAG - 1)]
+        assert recorded[out.request_id] == want
+        every += want
+    assert 0 < sum(every) < len(every)  # both outcomes occur
