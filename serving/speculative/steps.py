@@ -174,9 +174,9 @@ class Verifier:
             track_steps,
             mode=mode,
             commit_recurrent=self.commit_recurrent,
-            # Cost-aware widths run several widths: one program each (the profile compiles
-            # them), not two, so that a track point does not compile a window's second.
-            track=bool(output.track) or self.widths is not None,
+            # Under cost-aware widths the profile compiles both programs of each width: the
+            # snapshot's made every window 10-15% slower at B = 8 when all ran with it.
+            track=bool(output.track),
         )
         track = (track_slots, track_steps) if output.track else None
         self.drafter.rollback(batch.slots, picked[1], track)
@@ -243,7 +243,11 @@ class Verifier:
     def profile(self, rows, repeats: int = 5) -> None:
         """Seed the cost curve: a plain step and a window of each candidate width, for batches
         of each of `rows`, on padding rows (same programs, same work; nothing is written),
-        the median of `repeats` calls after a compiling one."""
+        the median of `repeats` rounds that call each width once in turn, after a round that
+        compiles and one that warms. Timed one width after another, the first calls after
+        each compile ran up to 1.4x slow, and the curve kept a width that pays (w = 2 at
+        B = 8) from ever being tried. The windows with a track point's snapshot (a step
+        where the prefix cache checkpoints a row) compile here too, untimed."""
         for b in rows:
             batch = Batch(
                 np.full(b, NULL_SLOT, np.int32),
@@ -252,12 +256,16 @@ class Verifier:
                 np.zeros(b, np.int32),
             )
             sampling = self.buckets.sampling([], b, "greedy")
-            for w in (0, *self.widths.widths):
-                call = functools.partial(self._padding_step, w, batch, sampling)
-                self.widths.curve.profile(w, b, self._time(call, repeats))
-            jax.block_until_ready(self._padding_step(-1, batch, sampling))  # compiled only
+            calls = {
+                w: functools.partial(self._padding_step, w, batch, sampling)
+                for w in (0, *self.widths.widths)
+            }
+            for w, seconds in _rounds(calls, repeats).items():
+                self.widths.curve.profile(w, b, seconds)
+            for w in (-1, *self.widths.widths):  # -1: a step where only a track point verifies
+                jax.block_until_ready(self._padding_step(w, batch, sampling, track=True))
 
-    def _padding_step(self, w: int, batch, sampling):
+    def _padding_step(self, w: int, batch, sampling, track: bool = False):
         state, b = self.state, batch.slots.shape[0]
         zeros = np.zeros(b, np.int32)
         if w < 0:  # the one-token window of a step where only a track point verifies
@@ -289,19 +297,9 @@ class Verifier:
             zeros - 1,
             mode="greedy",
             commit_recurrent=self.commit_recurrent,
-            track=True,  # as `_chain` runs it under cost-aware widths
+            track=track,
         )
         return out, draft
-
-    @staticmethod
-    def _time(call, repeats: int) -> float:
-        jax.block_until_ready(call())  # compiles
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
 
     def _draftless(
         self, output: SchedulerOutput, batch, result: StepResult, t0: float, runs: bool = True
@@ -379,3 +377,18 @@ class Verifier:
         rows = host_samples(picked, list(requests), mode)
         samples = {r.request_id: row[: steps[i]] for i, (r, row) in enumerate(zip(requests, rows))}
         return samples, steps
+
+
+def _rounds(calls: dict, repeats: int) -> dict:
+    """Each call's median time over `repeats` rounds that run every call once in turn, after
+    a compiling round and a warm one."""
+    for _ in range(2):
+        for call in calls.values():
+            jax.block_until_ready(call())
+    times: dict = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[key].append(time.perf_counter() - t0)
+    return {key: float(np.median(t)) for key, t in times.items()}

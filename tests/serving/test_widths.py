@@ -351,3 +351,33 @@ def test_draft_model_scores_resting_drafts_in_its_lag_pass(model, monkeypatch):
         assert recorded[out.request_id] == want
         every += want
     assert 0 < sum(every) < len(every)  # both outcomes occur
+
+
+def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
+    """With the prefix cache on, a step whose row reaches a track point verifies with the
+    snapshot program, the others without: the profile compiles both of every width (and the
+    one-token window of a step where only a track point verifies), so serving compiles no
+    verify program, and the greedy output stays plain's."""
+    import serving.speculative.steps as steps
+
+    # Past the track point at 64, in the block tables the profile compiles (16 pages of 8).
+    shapes = {**SHAPES, "page_size": 8}
+    prompts = [list(range(1, 31)), list(range(40, 75))]
+    reference = [o.token_ids for o in LLM(model, **shapes).generate(prompts, GREEDY)]
+    truth = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
+    drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: p % 3 == 2)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, enable_prefix_caching=True, **shapes)
+    assert llm.track_interval == 64
+    real, tracked = steps.verify_step, []
+
+    def spy(*args, **kw):
+        tracked.append(kw["track"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(steps, "verify_step", spy)
+    compiled = real._cache_size()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert True in tracked and False in tracked
+    assert real._cache_size() == compiled
