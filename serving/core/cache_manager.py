@@ -177,6 +177,18 @@ class CacheManager:
         start = request.num_computed_tokens
         return min(steps, (start // interval + 1) * interval - start)
 
+    def cut_before_track(self, request: Request, steps: int) -> int:
+        """Speculative, a row that drafts nothing: it computes one token, or up to `steps` in
+        a draftless run. Its steps end short of the next track point, or on it (one step), so
+        that only the step reaching the point plans it. Over its whole reserved window, each of
+        the k steps before the point planned one, and ran the verify program for it."""
+        interval = self.track_interval
+        if interval is None:
+            return steps
+        start = request.num_computed_tokens
+        to_point = (start // interval + 1) * interval - start
+        return 1 if to_point == 1 else min(steps, to_point - 1)
+
     def plan_track(self, out: SchedulerOutput, request: Request, steps: int) -> None:
         interval = self.track_interval
         if interval is None:

@@ -196,6 +196,8 @@ class Scheduler:
         out.max_drafts.append(self._max_drafts(request, room))
         if out.max_drafts[-1] and request.spec_probe_after:  # set by a probe only
             out.probes.add(request.request_id)
+        elif not out.max_drafts[-1]:  # it rests: a track point only where its steps reach one
+            out.decode_steps[-1] = self.cache.cut_before_track(request, room + 1)
 
     def _max_drafts(self, request: Request, room: int) -> int:
         # Penalised rows do not speculate: their counts would change inside the window.

@@ -381,3 +381,29 @@ def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
     assert [o.token_ids for o in outs] == reference
     assert True in tracked and False in tracked
     assert real._cache_size() == compiled
+
+
+def test_resting_rows_plan_a_track_point_only_where_they_reach_it(model, monkeypatch):
+    """A request that rests computes one token a step: only the step that reaches the track
+    point at 64 verifies (the one-token window with its snapshot), not each step whose
+    reserved window of k + 1 would cross it; the checkpoint it leaves serves a prefix hit."""
+    import serving.speculative.steps as steps
+
+    shapes = {**SHAPES, "page_size": 8}
+    prompts = [list(range(1, 31)), list(range(40, 75))]
+    plain = LLM(model, **shapes)
+    reference = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    truth = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
+    drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: True)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, enable_prefix_caching=True, **shapes)
+    llm.runner.widths.curve = _curve(1.0, {1: 10.0, 2: 10.0, 4: 10.0})  # no window pays
+    real, windows = steps.verify_step, []
+    monkeypatch.setattr(steps, "verify_step", lambda *a, **kw: windows.append(kw) or real(*a, **kw))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert len(windows) == 2 and all(kw["track"] for kw in windows)  # one per request
+    follow = prompts[0] + reference[0][:40]
+    (out,) = llm.generate([follow], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens == 64
+    assert out.token_ids == plain.generate([follow], GREEDY, use_tqdm=False)[0].token_ids
