@@ -171,23 +171,24 @@ class CacheManager:
     def cut_at_track(self, request: Request, steps: int) -> int:
         """Plain decode: end the fused steps on a track point (the state there is then in the
         slot after the step)."""
-        interval = self.track_interval
-        if interval is None or self.speculative:
+        if self.track_interval is None or self.speculative:
             return steps
-        start = request.num_computed_tokens
-        return min(steps, (start // interval + 1) * interval - start)
+        return min(steps, self._to_track_point(request))
 
     def cut_before_track(self, request: Request, steps: int) -> int:
         """Speculative, a row that drafts nothing: it computes one token, or up to `steps` in
         a draftless run. Its steps end short of the next track point, or on it (one step), so
         that only the step reaching the point plans it. Over its whole reserved window, each of
         the k steps before the point planned one, and ran the verify program for it."""
-        interval = self.track_interval
-        if interval is None:
+        if self.track_interval is None:
             return steps
-        start = request.num_computed_tokens
-        to_point = (start // interval + 1) * interval - start
+        to_point = self._to_track_point(request)
         return 1 if to_point == 1 else min(steps, to_point - 1)
+
+    def _to_track_point(self, request: Request) -> int:
+        """Steps from the request's computed tokens to the next multiple of the interval."""
+        start, interval = request.num_computed_tokens, self.track_interval
+        return (start // interval + 1) * interval - start
 
     def plan_track(self, out: SchedulerOutput, request: Request, steps: int) -> None:
         interval = self.track_interval

@@ -86,11 +86,15 @@ def _rollback(cache, per_step, slots, commit_lens, model_rows, track=None):
     return _commit(cache, per_step, slots, n, _only(model_rows, track), after=None)
 
 
-def _write(graphdef, params, ids, cache, batch: Batch, track=None):
+def _pass(graphdef, params, ids, cache, batch: Batch, track=None):
     # A window pass and its commit, as in the target's verify: on the built-in draft it took
-    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs).
+    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs). (logits, cache)
     logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
-    return _commit(cache, per_step, batch.slots, batch.lengths, track, after=logits)
+    return logits, _commit(cache, per_step, batch.slots, batch.lengths, track, after=logits)
+
+
+def _write(graphdef, params, ids, cache, batch: Batch, track=None):
+    return _pass(graphdef, params, ids, cache, batch, track)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -98,8 +102,7 @@ def _write_lag(graphdef, params, ids, cache, batch: Batch):
     """A lag's window pass, and whether the draft's greedy token at each position but the
     last was the token that followed ([B, W - 1], False past a row's lag): the shadow drafts
     of the steps the row rested in, scored for the price of an argmax."""
-    logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
-    cache = _commit(cache, per_step, batch.slots, batch.lengths, None, after=logits)
+    logits, cache = _pass(graphdef, params, ids, cache, batch)
     hits = jnp.argmax(logits[:, :-1], axis=-1) == ids[:, 1:]
     return cache, hits & (jnp.arange(ids.shape[1] - 1) < batch.lengths[:, None] - 1)
 

@@ -262,7 +262,6 @@ def test_costly_windows_and_failing_drafts_rest_the_requests(model, reference, m
     windows.clear()
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
     assert windows == []
-    assert all(r.spec_trials == 0 for r in llm.scheduler.requests.values())  # all finished
 
 
 def test_shadows_bring_a_resting_request_back(model, reference, monkeypatch):
