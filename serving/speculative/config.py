@@ -89,6 +89,8 @@ class SpeculativeConfig:
             num_draft_tokens=self.num_draft_tokens,
             lookup=lookup,
             lookup_tokens=self.prompt_lookup_num_tokens,
+            # Cost-aware widths judge every window by the curve's break-even instead.
+            min_acceptance=self.min_acceptance if self.width_policy == "fixed" else 0.0,
         )
 
     @property

@@ -20,7 +20,9 @@ Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup inst
 `lookup_tokens` tokens, and runs no draft-model step in the window; after the verify the draft
 writes that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
 on device). So, lags aside, every row's draft cache holds exactly the target's tokens, as
-prefix caching and preemption assume. The model's own windows stay `num_draft_tokens` wide.
+prefix caching and preemption assume. The model's own windows stay `num_draft_tokens` wide,
+judged by their own record (`DraftRecord`): counted in the request's acceptance, their misses
+rested requests, which stopped the lookup's long windows too (RESULTS.md, "lookup first").
 
 Track points: where the target's verify snapshots a row's state for the prefix cache, a draft
 with KDA layers writes its own state after the same window step into the same slot of its
@@ -56,7 +58,7 @@ from serving.speculative.draft_tree import (
     tree_parents,
     window_tail,
 )
-from serving.speculative.drafter import Drafter, pack_trees
+from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
 from serving.speculative.lag import Lag
 from serving.speculative.verify import track_rows, write_track
 
@@ -77,6 +79,14 @@ def _commit(cache, per_step, slots, n, track, after):
 def _only(rows, track):
     """`track` for the rows `rows` alone (the others: no track step)."""
     return None if track is None else (track[0], jnp.where(rows, track[1], -1))
+
+
+def _batch_of(rows, batch: Batch, start, lengths) -> Batch:
+    """A batch of the rows `rows` from `start`, `lengths` long; the others become padding
+    rows (slot and pages null, length 0), so nothing of theirs is written."""
+    pad = jnp.zeros_like(batch.slots)
+    slots, start, lengths = (jnp.where(rows, a, pad) for a in (batch.slots, start, lengths))
+    return Batch(slots, jnp.where(rows[:, None], batch.block_table, 0), start, lengths)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -109,15 +119,8 @@ def _write_lag(graphdef, params, ids, cache, batch: Batch):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, track=None):
-    """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows` (the others
-    become padding rows: slot and pages null, length 0, so nothing of theirs is written)."""
-    pad = jnp.zeros_like(batch.slots)
-    lookup = Batch(
-        jnp.where(rows, batch.slots, pad),
-        jnp.where(rows[:, None], batch.block_table, 0),
-        jnp.where(rows, batch.start, pad),
-        jnp.where(rows, commit_lens, pad),
-    )
+    """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows`."""
+    lookup = _batch_of(rows, batch, batch.start, commit_lens)
     return _write(graphdef, params, window, cache, lookup, _only(rows, track))
 
 
@@ -148,13 +151,7 @@ def _tree_rollback(
         return cache
     ids, rest = window_tail(window, held, commit_lens, width)
     rows = drafted & (rest > 0)
-    pad = jnp.zeros_like(batch.slots)
-    tail = Batch(
-        jnp.where(rows, batch.slots, pad),
-        jnp.where(rows[:, None], batch.block_table, 0),
-        jnp.where(rows, batch.start + held, pad),
-        jnp.where(rows, rest, pad),
-    )
+    tail = _batch_of(rows, batch, batch.start + held, rest)
     shifted = None if track is None else (track[0], jnp.where(rows, track[1] - held, -1))
     return _write(graphdef, params, ids, cache, tail, shifted)
 
@@ -181,15 +178,18 @@ class DraftModelDrafter(Drafter):
         num_draft_tokens: int | None = None,
         lookup: Drafter | None = None,
         lookup_tokens: int = 0,
+        min_acceptance: float = 0.0,
     ) -> None:
         """`model` is placed already (the engine builds it for the target's mesh when its
         shapes allow, else on one device); its caches follow its own plan, with the target's
         slots and pages (`layout`: the same ids, pages of the target's allocator page).
         `num_draft_tokens`: the model's drafts per window (None: the runner's k); `lookup`: a
-        host drafter tried first, for up to `lookup_tokens` drafts."""
+        host drafter tried first, for up to `lookup_tokens` drafts, the model drafting where
+        its own acceptance is `min_acceptance` or above (with lookup only)."""
         self.num_draft_tokens = num_draft_tokens
         self.lookup = lookup
         self.lookup_tokens = lookup_tokens
+        self.min_acceptance = min_acceptance if lookup is not None else 0.0
         self._window = None  # lookup rows of the last window: (rows, window ids, batch)
         self.lookup_draft_tokens = 0  # drafts proposed by lookup (metrics)
         self.config = model.config
@@ -223,6 +223,8 @@ class DraftModelDrafter(Drafter):
         k_model = min(self.num_draft_tokens or k, k)
         looked = self._look_up(requests, max_drafts, b)
         last, num, steps = self._rows(requests, max_drafts, looked, k_model, topk=1)
+        model = [r.request_id for r, s in zip(requests, steps[: len(requests)], strict=True) if s]
+        self.ungated = frozenset(model if self.min_acceptance else ())
         self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
         self._window = self._lookup_window(looked, last, num, batch, k)
@@ -268,9 +270,22 @@ class DraftModelDrafter(Drafter):
             if looked[i]:
                 num[i] = len(looked[i])
                 continue
-            num[i] = min(n, k_model)
+            num[i] = min(n, k_model) if self._may_draft(request, n) else 0
             steps[i] = depth_for(num[i], topk) + 1 if num[i] else 0
         return last, num, steps
+
+    def _may_draft(self, request, room: int) -> bool:
+        # Without lookup the scheduler gates the model's drafts; with it, the model's record.
+        if not self.min_acceptance or room <= 0:
+            return True
+        request.drafter_state = request.drafter_state or DraftRecord()
+        return request.drafter_state.may_draft(self.min_acceptance)
+
+    def verified(self, requests, accepted, drafts) -> None:
+        # Score the model's own windows (`ungated`); lookup windows count for the scheduler.
+        for i, request in enumerate(requests):
+            if request.request_id in self.ungated and drafts[i]:
+                request.drafter_state.score(accepted[i] / drafts[i])
 
     def _look_up(self, requests, max_drafts, b: int, topk: int | None = None) -> list[list]:
         """Each row's lookup drafts, or its tree's nodes with `topk` ([] where the context

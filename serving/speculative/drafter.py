@@ -15,9 +15,39 @@ implement `propose_tokens`, and `propose_tree_tokens` where they branch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from serving.core.request import acceptance_ema
+
+# A request whose self-gated drafts keep failing tries them again after this many proposals.
+PROBE_INTERVAL = 16
+
+
+@dataclasses.dataclass
+class DraftRecord:
+    """A request's record of the drafts one source gives it, judged apart from the
+    scheduler's acceptance (`Drafter.ungated`): their acceptance (an EMA, as the scheduler
+    keeps for all drafts) and the proposals skipped since the source last drafted for it."""
+
+    acceptance: float = 1.0
+    skipped: int = 0
+
+    def score(self, rate: float) -> None:
+        self.acceptance = acceptance_ema(self.acceptance, rate)
+
+    def may_draft(self, min_acceptance: float) -> bool:
+        """May the source draft now: its acceptance is high enough, or a probe (every
+        `PROBE_INTERVAL`-th proposal while it is not)."""
+        if self.acceptance >= min_acceptance:
+            return True
+        self.skipped += 1
+        if self.skipped < PROBE_INTERVAL:
+            return False
+        self.skipped = 0
+        return True
 
 
 class Drafter:
@@ -96,6 +126,10 @@ class Drafter:
             for request, m in zip(requests, max_nodes, strict=True)
         ]
         return pack_trees(trees, int(batch.slots.shape[0]), n)
+
+    def verified(self, requests: Sequence, accepted, drafts) -> None:
+        """After a chain verify, on the host: each row's accepted drafts of its drafts (a
+        drafter scores the drafts it judges by its own record here)."""
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         """Mirror the target's prefill chunk (drafters with caches)."""

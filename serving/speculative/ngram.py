@@ -30,8 +30,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 
-from serving.core.request import acceptance_ema
-from serving.speculative.drafter import Drafter, chain
+from serving.speculative.drafter import Drafter, DraftRecord, chain
 
 
 def _ends(seq: np.ndarray, n: int) -> np.ndarray:
@@ -185,19 +184,12 @@ def ngram_tree_reference(
 
 
 @dataclasses.dataclass
-class TableRecord:
-    """A request's record of the corpus table's drafts: their acceptance (an EMA, as the
-    scheduler keeps for all drafts), the last drafts and where they stood, and the proposals
-    skipped since the table last drafted for it."""
+class TableRecord(DraftRecord):
+    """A request's record of the corpus table's drafts (`DraftRecord`), with the last drafts
+    and where they stood."""
 
-    acceptance: float = 1.0
     drafts: tuple[int, ...] = ()
     at: int = 0
-    skipped: int = 0
-
-
-# A request whose table drafts keep failing tries the table again after this many proposals.
-TABLE_PROBE_INTERVAL = 16
 
 
 class NgramDrafter(Drafter):
@@ -267,15 +259,9 @@ class NgramDrafter(Drafter):
             after = request.all_token_ids[record.at : record.at + len(record.drafts)]
             hits = next((i for i, (d, t) in enumerate(zip(record.drafts, after)) if d != t), None)
             rate = (len(after) if hits is None else hits) / len(record.drafts)
-            record.acceptance = acceptance_ema(record.acceptance, rate)
+            record.score(rate)
             record.drafts = ()
-        if record.acceptance >= self.min_acceptance:
-            return True
-        record.skipped += 1
-        if record.skipped < TABLE_PROBE_INTERVAL:
-            return False
-        record.skipped = 0
-        return True
+        return record.may_draft(self.min_acceptance)
 
     def propose(self, requests, max_drafts, batch, k: int, checkpointed=()):
         # The table's drafts are judged by their own record (`_table_may_draft`), not by the

@@ -115,6 +115,8 @@ class Verifier:
             result.samples[r.request_id] = row[: commit_lens[i]]
             gated = r.request_id not in self.drafter.ungated
             result.num_drafts[r.request_id] = int(num[i]) if gated else 0
+        if parents is None:
+            self.drafter.verified(requests, commit_lens[:n] - 1, num[:n])
         self._score(output, shadows, result)
         if self.widths is not None:
             self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)

@@ -809,6 +809,44 @@ def test_lookup_first_draft_model_greedy_equals_plain(model):
     assert_drained(llm)
 
 
+def test_lookup_first_model_misses_rest_the_model_alone(model):
+    """With lookup first and min_acceptance, the draft model's drafts are judged by their own
+    record: a draft model whose drafts miss (random weights) rests, drafting in probes only,
+    while the request's lookup windows, which hold, go on each time the lookup proposes (every
+    other step). Counted in the request's acceptance, the model's misses rested the whole
+    request, and its lookup windows with it."""
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    shapes = {**SHAPES, "num_pages": 32}
+    plain = LLM(model, **shapes).generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert len(plain) == 40
+    spec = {**_lookup_spec(random_model(preset("tiny"), seed=5)), "min_acceptance": 0.5}
+    llm = spec_llm(model, speculative=spec, num_pages=32)
+    drafter = llm.runner.drafter
+    drafter.lookup = _SometimesOracle(
+        {tuple(prompt): plain}, model.config.vocab_size, ERRORS["all_accepted"]
+    )
+    rooms, windows, propose = [], [], drafter.propose
+
+    def recording_propose(requests, max_drafts, *a, **kw):
+        drafts, num = propose(requests, max_drafts, *a, **kw)
+        rooms.append(int(max_drafts[0]))
+        windows.append((drafter._window is not None, int(np.asarray(num)[0])))
+        return drafts, num
+
+    drafter.propose = recording_propose
+    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == plain
+    model_windows = sum(n > 0 and not looked for looked, n in windows)
+    lookup_windows = sum(looked for looked, _ in windows)
+    assert min(rooms) > 0, rooms  # the scheduler never rested the request
+    assert lookup_windows == len(windows) // 2, windows  # every other step, to the end
+    # The model drafted twice (1.0 -> 0.7 -> 0.49 < 0.5 after two misses), then rested.
+    assert model_windows == 2 and len(windows) - lookup_windows > 4, windows
+    m = llm.metrics()  # every lookup draft is accepted, none of the model's
+    assert m["spec_accepted_tokens"] == m["spec_lookup_draft_tokens"] < m["spec_draft_tokens"]
+    assert_drained(llm)
+
+
 def test_resting_rows_lag_and_catch_up(monkeypatch):
     """Rows that rest run no draft step; their tokens are written in one pass when the draft
     drafts for them again, when 16 have gathered (`MAX_LAG`), and when the target checkpoints
