@@ -66,7 +66,8 @@ class Request:
     # The estimate's prior mean: the engine's recent acceptance when the request arrived
     # (`policy.AcceptancePool`), so that a new request starts where the workload's are.
     spec_prior: float = 0.5
-    # What a drafter keeps per request (the n-gram drafter: its corpus table's record).
+    # What a drafter keeps per request (its own record of drafts it judges apart: the n-gram
+    # drafter's corpus table, the draft model's windows with lookup first).
     drafter_state: object = None
 
     @property
