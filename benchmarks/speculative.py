@@ -158,7 +158,7 @@ def acceptance_columns(rec: dict) -> dict:
 def code(args) -> Table:
     """Code continuation with the built-in models: plain, plain with async scheduling, n-gram
     (with and without draftless runs), n-gram with the corpus table, draft model, draft model
-    with lookup first.
+    with lookup first (fixed widths, and cost-aware).
 
     Prompts: the first 128 tokens of held-out standard-library files (the built-in model's
     ``data.json``), batch 1 by default (``--batch B``: groups of B prompts decoded together).
@@ -197,7 +197,11 @@ def code(args) -> Table:
         hybrid = {**knobs, "method": "draft_model", **draft}
         hybrid.update(num_draft_tokens=lookup_model_k, prompt_lookup_num_tokens=lookup_k)
         engines["draft, lookup first"] = LLM(speculative=hybrid, **shapes)
-        k_of["draft, lookup first"] = f"{lookup_model_k} / {lookup_k}"
+        # The same with cost-aware widths: lookup windows priced apart from the model's.
+        hybrid_cost = {**hybrid, "width_policy": "cost"}
+        engines["draft, lookup first, cost"] = LLM(speculative=hybrid_cost, **shapes)
+        for name in ("draft, lookup first", "draft, lookup first, cost"):
+            k_of[name] = f"{lookup_model_k} / {lookup_k}"
     prompts = held_out_prompts(engines["plain"].tokenizer, 128, n, count)
     if b > 1:  # whole groups only
         prompts = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]

@@ -16,13 +16,12 @@ so under cost-aware widths (`keep_shadows`) it also scores them: whether the dra
 token was the one that followed (`take_shadows`), which measures a resting request's drafts
 with no probe window.
 
-Lookup first (`lookup`): a row whose context recurs drafts by prompt lookup instead, up to
-`lookup_tokens` tokens, and runs no draft-model step in the window; after the verify the draft
-writes that row's accepted tokens (`[last, d_1 .. d_a]`, from the verify's accepted lengths,
-on device). So, lags aside, every row's draft cache holds exactly the target's tokens, as
-prefix caching and preemption assume. The model's own windows stay `num_draft_tokens` wide,
-judged by their own record (`DraftRecord`): counted in the request's acceptance, their misses
-rested requests, which stopped the lookup's long windows too (RESULTS.md, "lookup first").
+Lookup first (`lookup`, `lookup.py`): a row whose context recurs drafts by prompt lookup
+instead, up to `lookup_tokens` tokens, and runs no draft-model step; after the verify the draft
+writes that row's accepted tokens (from the verify's accepted lengths, on device), so, lags
+aside, every row's draft cache holds exactly the target's tokens, as prefix caching and
+preemption assume. The model's own windows stay `num_draft_tokens` wide, judged by their own
+record (`DraftRecord`): their misses rested whole requests, lookup windows too.
 
 Track points: where the target's verify snapshots a row's state for the prefix cache, a draft
 with KDA layers writes its own state after the same window step into the same slot of its
@@ -60,6 +59,7 @@ from serving.speculative.draft_tree import (
 )
 from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
 from serving.speculative.lag import Lag
+from serving.speculative.lookup import Ahead, look_up, lookup_window
 from serving.speculative.verify import track_rows, write_track
 
 
@@ -191,6 +191,7 @@ class DraftModelDrafter(Drafter):
         self.lookup_tokens = lookup_tokens
         self.min_acceptance = min_acceptance if lookup is not None else 0.0
         self._window = None  # lookup rows of the last window: (rows, window ids, batch)
+        self._ahead = Ahead()  # the lookup drafts `plan` found for this step's `propose`
         self.lookup_draft_tokens = 0  # drafts proposed by lookup (metrics)
         self.config = model.config
         self.par = model.par
@@ -227,7 +228,8 @@ class DraftModelDrafter(Drafter):
         self.ungated = frozenset(model if self.min_acceptance else ())
         self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
-        self._window = self._lookup_window(looked, last, num, batch, k)
+        window = lookup_window(looked, last, k)
+        self._window = None if window is None else (*window, batch)
         self._model_rows, self._tree = model_rows, None
         top = self._model_drafts(last, batch, steps, k_model, topk=1)
         tokens = None if top is None else top[:, :, 0]
@@ -249,7 +251,6 @@ class DraftModelDrafter(Drafter):
         self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
         lookup_rows = np.array([bool(nodes) for nodes in looked], bool)
-        self.lookup_draft_tokens += int(num[lookup_rows].sum())
         self._model_rows, self._window = model_rows, None
         top = self._model_drafts(last, batch, steps, depth_for(n_model, topk), topk)
         drafts, parents, _ = pack_trees(looked, b, n)
@@ -269,6 +270,7 @@ class DraftModelDrafter(Drafter):
             last[i] = request.all_token_ids[-1]
             if looked[i]:
                 num[i] = len(looked[i])
+                self.lookup_draft_tokens += int(num[i])
                 continue
             num[i] = min(n, k_model) if self._may_draft(request, n) else 0
             steps[i] = depth_for(num[i], topk) + 1 if num[i] else 0
@@ -287,33 +289,28 @@ class DraftModelDrafter(Drafter):
             if request.request_id in self.ungated and drafts[i]:
                 request.drafter_state.score(accepted[i] / drafts[i])
 
-    def _look_up(self, requests, max_drafts, b: int, topk: int | None = None) -> list[list]:
-        """Each row's lookup drafts, or its tree's nodes with `topk` ([] where the context
-        does not recur or lookup is off)."""
-        looked: list[list] = [[] for _ in range(b)]
-        if self.lookup is None:
-            return looked
-        for i, (request, n) in enumerate(zip(requests, max_drafts, strict=True)):
-            m = min(n, self.lookup_tokens)
-            if m <= 0:
-                continue
-            if topk is None:
-                looked[i] = self.lookup.propose_tokens(request, m)[:n]
-            else:
-                looked[i] = self.lookup.propose_tree_tokens(request, m, topk)[:m]
-        return looked
+    @property
+    def lookup_first(self) -> bool:
+        return self.lookup is not None
 
-    def _lookup_window(self, looked, last, num, batch, k: int):
-        """(rows, window ids [B, k + 1], batch) for the rows that drafted by lookup, or None."""
-        rows = np.array([bool(d) for d in looked], bool)
-        if not rows.any():
+    def plan(self, requests, max_drafts):
+        """(lookup drafts, model drafts) per row with `max_drafts` room (a row drafts one way),
+        the lookup's kept for this step's `propose`; None without lookup."""
+        if self.lookup is None:
             return None
-        self.lookup_draft_tokens += int(num[rows].sum())
-        window = np.zeros((len(looked), k + 1), np.int32)
-        window[:, 0] = last
-        for i, d in enumerate(looked):
-            window[i, 1 : 1 + len(d)] = d
-        return rows, window, batch
+        looked = look_up(self.lookup, self.lookup_tokens, requests, max_drafts, len(requests))
+        self._ahead.keep(requests, looked)
+        k = self.num_draft_tokens or max(max_drafts, default=0)
+        model = [0 if d or n <= 0 else min(n, k) for d, n in zip(looked, max_drafts, strict=True)]
+        return [len(d) for d in looked], model
+
+    def _look_up(self, requests, max_drafts, b: int, topk: int | None = None) -> list[list]:
+        """Each row's lookup drafts (those `plan` found, if it ran for this step), or its
+        tree's nodes with `topk`."""
+        kept = self._ahead.take(requests, max_drafts) if topk is None else None
+        if kept is not None:
+            return kept + [[] for _ in range(b - len(kept))]
+        return look_up(self.lookup, self.lookup_tokens, requests, max_drafts, b, topk)
 
     def _model_drafts(self, last, batch, steps, depth: int, topk: int):
         """The draft model's part of the window: `depth` greedy drafts and one step more for
@@ -384,12 +381,17 @@ class DraftModelDrafter(Drafter):
         self.lag.drop([dst for _, dst in pairs])
         self.cache = copy_slots(self.cache, pairs, width)
 
-    def padding_step(self, batch, k: int):
+    def padding_step(self, batch, k: int, lookup: bool = False):
         """The draft's part of a window of k drafts on padding rows (the cost profile): its
-        k + 1 fused steps and the rollback; nothing of a request's is touched."""
+        k + 1 fused steps and the rollback, or with `lookup` the pass that writes a lookup
+        window's tokens; nothing of a request's is touched."""
         b = int(batch.slots.shape[0])
-        self._model_rows = np.ones(b, bool)
-        self._model_drafts(np.zeros(b, np.int32), batch, np.full(b, k + 1, np.int32), k, 1)
+        rows = np.ones(b, bool)
+        ids = np.zeros((b, k + 1), np.int32)
+        self._model_rows = ~rows if lookup else rows
+        self._window = (rows, ids, batch) if lookup else None
+        if not lookup:
+            self._model_drafts(ids[:, 0], batch, np.full(b, k + 1, np.int32), k, 1)
         self.rollback(batch.slots, np.ones(b, np.int32))
         return self.cache
 

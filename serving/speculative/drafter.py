@@ -102,6 +102,16 @@ class Drafter:
             num[i] = len(tokens)
         return drafts, num
 
+    # True for a draft model with prompt lookup first: its lookup windows run none of its
+    # steps, so cost-aware widths price them apart (`widths.window_key`) and `plan` says
+    # which rows draft which way before the width is chosen.
+    lookup_first: bool = False
+
+    def plan(self, requests: Sequence, max_drafts: Sequence[int]):
+        """(lookup drafts, model drafts) each row would propose with `max_drafts` room, before
+        the width is chosen (lookup first); None: the drafter finds out in `propose`."""
+        return None
+
     def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
         """Up to `max_nodes` tree nodes (token, parent) continuing `request.all_token_ids`,
         node i + 1 the i-th, parents numbered as window nodes (0: the root, the last token),
@@ -147,9 +157,10 @@ class Drafter:
         """`rollback` after a tree verify: window [B, T] holds each row's accepted path
         `[last, a_1 .. a_d]` (zeros after), commit_lens [B] = d + 1 (0: padding rows)."""
 
-    def padding_step(self, batch, k: int):
+    def padding_step(self, batch, k: int, lookup: bool = False):
         """Run the drafter's device work of a window of k drafts on padding rows, for the
-        cost profile (`Verifier.profile`); returns what to wait for, None for host drafters."""
+        cost profile (`Verifier.profile`; `lookup`: of a lookup window's, with
+        `lookup_first`); returns what to wait for, None for host drafters."""
         return None
 
     def reset(self) -> None:

@@ -35,7 +35,7 @@ from serving.core.step_result import StepResult, host_samples, sample_mode
 from serving.speculative.draftless import decode_until_recurs
 from serving.speculative.tree_verify import verify_tree_step
 from serving.speculative.verify import verify_step
-from serving.speculative.widths import WidthPolicy
+from serving.speculative.widths import WidthPolicy, window_key
 
 # Smallest width of the token history a draftless run checks for recurrence (`_until_recurs`).
 MIN_HISTORY = 256
@@ -67,6 +67,7 @@ class Verifier:
         # Draftless rows run on device until their drafter would draft (`_until_recurs`);
         # False steps them one call at a time (the reference the tests compare with).
         self.draftless_runs = True
+        self._lookup = False  # cost-aware widths: this step's window is of lookup drafts alone
 
     def run(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device.
@@ -119,7 +120,8 @@ class Verifier:
             self.drafter.verified(requests, commit_lens[:n] - 1, num[:n])
         self._score(output, shadows, result)
         if self.widths is not None:
-            self.widths.curve.observe(int(drafts.shape[1]), b, time.perf_counter() - t0)
+            key = window_key(int(drafts.shape[1]), self._lookup)
+            self.widths.curve.observe(key, b, time.perf_counter() - t0)
 
     def _shadows(self, output: SchedulerOutput, num) -> dict:
         """Under cost-aware widths, with a drafter that shadows: the shadow draft of each
@@ -214,12 +216,32 @@ class Verifier:
         rows (and rows not yet verified) draft the probe width at least: a probe is what
         tells whether a request's drafts got better."""
         alphas = [r.spec_alpha for r in output.decode]
-        w = self.widths.choose(alphas, max_drafts, b)
+        w, max_drafts = self._planned(output, max_drafts, alphas, b)
         probes = self._probing(output)
         if w == 0 and any(probes):
             w = self.widths.probe_width(b)
             return w, [min(n, w) if p else 0 for n, p in zip(max_drafts, probes, strict=True)]
         return w, [min(n, w) for n in max_drafts]
+
+    def _planned(self, output: SchedulerOutput, max_drafts, alphas, b: int):
+        """(width, room) on what each row would draft (`Drafter.plan`). Lookup first: the
+        model's windows, or lookup windows alone with the model's rows resting (priced
+        without its steps), whichever pays more. Otherwise on the room alone."""
+        self._lookup = False
+        plan = self.drafter.plan(output.decode, max_drafts)
+        if plan is None:
+            return self.widths.choose(alphas, max_drafts, b), max_drafts
+        lookup, model = plan
+        both = [a + m for a, m in zip(lookup, model, strict=True)]
+        choice = self.widths.best(alphas, both, b)
+        if any(model):  # the lookup rows alone, without the model's steps
+            alone = self.widths.best(alphas, lookup, b, lookup=True)
+            if alone[1] > choice[1]:
+                choice, self._lookup = alone, True
+                return choice[0], [n if a else 0 for a, n in zip(lookup, max_drafts)]
+        else:
+            choice, self._lookup = self.widths.best(alphas, lookup, b, lookup=True), True
+        return choice[0], max_drafts
 
     @staticmethod
     def _probing(output: SchedulerOutput) -> list[bool]:
@@ -231,7 +253,7 @@ class Verifier:
         num = np.asarray(num)
         n = len(output.decode)
         alphas = [r.spec_alpha for r in output.decode]
-        w = self.widths.choose(alphas, num[:n].tolist(), b)
+        w = self.widths.choose(alphas, num[:n].tolist(), b, lookup=self._lookup)
         if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):
             w = int(num.max())
             w = next(c for c in self.widths.widths if c >= w)
@@ -258,16 +280,21 @@ class Verifier:
                 np.zeros(b, np.int32),
             )
             sampling = self.buckets.sampling([], b, "greedy")
+            # Lookup first: lookup windows too (without the model's steps; w = 0 is one key).
+            kinds = (False, True) if self.drafter.lookup_first else (False,)
             calls = {
-                w: functools.partial(self._padding_step, w, batch, sampling)
+                window_key(w, lookup): functools.partial(
+                    self._padding_step, w, batch, sampling, lookup=lookup
+                )
+                for lookup in kinds
                 for w in (0, *self.widths.widths)
             }
-            for w, seconds in _rounds(calls, repeats).items():
-                self.widths.curve.profile(w, b, seconds)
+            for key, seconds in _rounds(calls, repeats).items():
+                self.widths.curve.profile(key, b, seconds)
             for w in (-1, *self.widths.widths):  # -1: a step where only a track point verifies
                 jax.block_until_ready(self._padding_step(w, batch, sampling, track=True))
 
-    def _padding_step(self, w: int, batch, sampling, track: bool = False):
+    def _padding_step(self, w: int, batch, sampling, track: bool = False, lookup: bool = False):
         state, b = self.state, batch.slots.shape[0]
         zeros = np.zeros(b, np.int32)
         if w < 0:  # the one-token window of a step where only a track point verifies
@@ -285,7 +312,10 @@ class Verifier:
                 mode="greedy",
             )
             return out
-        draft = self.drafter.padding_step(batch, w) if w else None
+        if lookup:  # the pass that writes a lookup window's tokens into the draft's cache
+            draft = self.drafter.padding_step(batch, w, lookup=True)
+        else:
+            draft = self.drafter.padding_step(batch, w) if w else None
         out, state.cache = verify_step(
             state.graphdef,
             state.params,

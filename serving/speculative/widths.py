@@ -10,9 +10,14 @@ can draft (its room, or what the drafter found). Width 0 is plain decoding: the 
 where drafts are likely enough to be accepted, which is what DSpark does per request (arXiv
 2607.05147).
 
-`break_even(rows)` is the acceptance below which no width beats a plain step for one request:
-the scheduler's adaptive drafting rests requests below it (and probes them now and then), so a
-request whose drafts fail stops paying for windows.
+Lookup first (a draft model with prompt lookup tried first): a window of lookup drafts runs none
+of the draft model's steps, so it is priced on its own points, `window_key(w, lookup=True)`;
+the plain step (w = 0) is one point. The verifier learns which rows would draft which way
+before it chooses (`Drafter.plan`), and compares the model's windows with lookup windows alone.
+
+`break_even(rows)` is the acceptance below which no width (of either kind) beats a plain step
+for one request: the scheduler's adaptive drafting rests requests below it (and probes them
+now and then), so a request whose drafts fail stops paying for windows.
 """
 
 from __future__ import annotations
@@ -40,6 +45,17 @@ def expected_tokens(alpha: float, drafts: int) -> float:
     if alpha >= 1.0:
         return float(drafts + 1)
     return (1.0 - alpha ** (drafts + 1)) / (1.0 - alpha)
+
+
+# The cost curve's key of a lookup window's width (`window_key`): priced apart from the draft
+# model's windows of the same width, which run its steps too.
+LOOKUP = "lookup"
+
+
+def window_key(width: int, lookup: bool = False):
+    """The curve's key of a window of `width` drafts: the width, or (LOOKUP, width) for a
+    window of lookup drafts alone (a plain step is one key, 0, either way)."""
+    return (LOOKUP, width) if lookup and width else width
 
 
 def candidate_widths(max_drafts: int) -> tuple[int, ...]:
@@ -120,24 +136,35 @@ class WidthPolicy:
         self.widths = candidate_widths(max_drafts)
         self.curve = curve or CostCurve()
 
-    def _priced(self, rows: int) -> list[tuple[int, float]]:
-        """(width, cost) for width 0 and every candidate width the curve prices."""
-        priced = [(w, self.curve.cost(w, rows)) for w in (0, *self.widths)]
+    def _priced(self, rows: int, lookup: bool = False) -> list[tuple[int, float]]:
+        """(width, cost) for width 0 and every candidate width the curve prices (of lookup
+        windows with `lookup`)."""
+        keys = [(w, window_key(w, lookup)) for w in (0, *self.widths)]
+        priced = [(w, self.curve.cost(key, rows)) for w, key in keys]
         return [(w, c) for w, c in priced if c is not None and c > 0]
 
-    def choose(self, alphas: Sequence[float], available: Sequence[int], rows: int) -> int:
+    def choose(
+        self, alphas: Sequence[float], available: Sequence[int], rows: int, lookup: bool = False
+    ) -> int:
         """The width maximising expected tokens per second over the step's requests (alpha
         and drafts available each); the widest when the curve prices no plain step yet."""
-        priced = self._priced(rows)
+        return self.best(alphas, available, rows, lookup)[0]
+
+    def best(
+        self, alphas: Sequence[float], available: Sequence[int], rows: int, lookup: bool = False
+    ) -> tuple[int, float]:
+        """(width, expected tokens per second) of `choose`'s width (rate inf: unpriced)."""
+        priced = self._priced(rows, lookup)
         if not priced or priced[0][0] != 0:
-            return self.widths[-1]
+            return self.widths[-1], float("inf")
         pairs = list(zip(alphas, available, strict=True))
 
         def rate(item):
             w, c = item
             return sum(expected_tokens(a, min(w, n)) for a, n in pairs) / c
 
-        return max(priced, key=rate)[0]
+        w = max(priced, key=rate)
+        return w[0], rate(w)
 
     def break_even(self, rows: int = 1) -> float:
         """The acceptance at which the best width's expected tokens per second equal a plain
@@ -150,11 +177,13 @@ class WidthPolicy:
         return self._first_paying(rows)[0]
 
     def _first_paying(self, rows: int) -> tuple[int, float]:
+        # Lookup first: a request drafts by lookup where it can, so its cheaper windows count.
         priced = self._priced(rows)
         if len(priced) < 2 or priced[0][0] != 0:
             return 1, 0.0
         plain = priced[0][1]
-        return min(((w, _solve(w, c / plain)) for w, c in priced[1:]), key=lambda x: x[1])
+        windows = priced[1:] + self._priced(rows, lookup=True)[1:]
+        return min(((w, _solve(w, c / plain)) for w, c in windows), key=lambda x: x[1])
 
 
 def _solve(width: int, ratio: float) -> float:
