@@ -49,7 +49,11 @@ SUITE.option("--batch", type=int, default=1, help="code: prompts decoded togethe
 SUITE.option("--batches", help="oracle: batch sizes (1,8)")
 SUITE.option("--rates", default="1,0.8,0.5,0", help="oracle: acceptance rates")
 SUITE.option("--min-acceptance", type=float, help="code: speculative min_acceptance")
-SUITE.option("--draft-model", help="code: a draft checkpoint instead of the built-in one")
+SUITE.option(
+    "--draft-model",
+    help="code: a draft checkpoint instead of the built-in one; 'random': the built-in "
+    "draft's shapes with random weights (a draft that misses)",
+)
 SUITE.option("--lookup-k", type=int, help="code, lookup first: lookup drafts (8)")
 SUITE.option("--lookup-model-k", type=int, help="code, lookup first: model drafts (2)")
 SUITE.option("--corpus", default="stdlib", help="code, ngram+corpus: corpus ('' drops it)")
@@ -153,6 +157,14 @@ def acceptance_columns(rec: dict) -> dict:
     }
 
 
+def _draft_model(name: str):
+    """A draft checkpoint's path, or for "random" the built-in draft's shapes with random
+    weights: its drafts miss, which is where each kind of window's own acceptance matters."""
+    if name != "random":
+        return name
+    return random_model(load_pretrained(BUILTIN_DRAFT).config, seed=3)
+
+
 # ---- code continuation with the built-in models -----------------------------------------------
 @SUITE.measure("code")
 def code(args) -> Table:
@@ -192,7 +204,7 @@ def code(args) -> Table:
         engines["ngram+corpus"] = LLM(speculative=spec, **shapes)
         k_of["ngram+corpus"] = f"{k} / {args.corpus_k}"
     if not args.no_draft:
-        draft = {"model": args.draft_model} if args.draft_model else {}
+        draft = {"model": _draft_model(args.draft_model)} if args.draft_model else {}
         engines["draft"] = LLM(speculative={**knobs, "method": "draft_model", **draft}, **shapes)
         hybrid = {**knobs, "method": "draft_model", **draft}
         hybrid.update(num_draft_tokens=lookup_model_k, prompt_lookup_num_tokens=lookup_k)
@@ -520,7 +532,7 @@ DRAFT_CALLS = [
     (runner_mod, "decode_steps", "plain"),
     (steps_mod, "verify_step", "verify"),
     (draft_mod, "decode_steps", "draft"),
-    (draft_mod, "_rollback", "rollback"),
+    (draft_mod, "commit_window", "rollback"),
 ]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 
-from serving.core.request import ALPHA_DECAY, Request, acceptance_ema
+from serving.core.request import Request, acceptance_ema, alpha_counts
 
 # The longest wait between two probes of a request that stopped drafting, in probe intervals.
 MAX_PROBE_BACKOFF = 8
@@ -96,9 +96,8 @@ class DraftPolicy:
         shadow (one draft; the scheduler calls this: it alone changes a request)."""
         self.pool.record(accepted, drafts)
         request.spec_acceptance = acceptance_ema(request.spec_acceptance, accepted / drafts)
-        missed = 1.0 if accepted < drafts else 0.0
-        request.spec_hits = ALPHA_DECAY * request.spec_hits + accepted
-        request.spec_trials = ALPHA_DECAY * request.spec_trials + accepted + missed
+        counts = alpha_counts(request.spec_hits, request.spec_trials, accepted, drafts)
+        request.spec_hits, request.spec_trials = counts
 
     def record_step(
         self,

@@ -31,6 +31,19 @@ def acceptance_ema(previous: float, rate: float) -> float:
 ALPHA_DECAY = 0.8
 
 
+def alpha_counts(hits: float, trials: float, accepted: int, drafts: int) -> tuple[float, float]:
+    """(hits, trials) of a per-draft acceptance estimate after one more window that accepted
+    `accepted` of its `drafts` drafts: a trial per accepted draft, and one for the rejected."""
+    missed = 1.0 if accepted < drafts else 0.0
+    return ALPHA_DECAY * hits + accepted, ALPHA_DECAY * trials + accepted + missed
+
+
+def alpha_estimate(hits: float, trials: float, prior: float) -> float:
+    """P(a draft is accepted | the one before it was): the truncated-geometric estimate
+    hits / trials with a prior worth two trials at `prior`, which a few windows outweigh."""
+    return (hits + 2.0 * prior) / (trials + 2.0)
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request; the scheduler owns its mutable fields once added."""
@@ -72,10 +85,9 @@ class Request:
 
     @property
     def spec_alpha(self) -> float:
-        """P(a draft is accepted | the one before it was): the truncated-geometric estimate
-        hits / trials with a prior worth two trials at `spec_prior`, so a new request starts
-        there and a few windows outweigh the prior."""
-        return (self.spec_hits + 2.0 * self.spec_prior) / (self.spec_trials + 2.0)
+        """P(a draft is accepted | the one before it was), from `spec_prior`: a new request
+        starts where the engine's requests are (`alpha_estimate`)."""
+        return alpha_estimate(self.spec_hits, self.spec_trials, self.spec_prior)
 
     @property
     def num_tokens(self) -> int:

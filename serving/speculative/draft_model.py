@@ -40,133 +40,25 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_linear_jax.cache import Batch, CacheLayout, KDAState
-from kimi_linear_jax.layers.block import state_rows
-from kimi_linear_jax.model import commit_kda, merge, prefill_step, split_flat
+from kimi_linear_jax.cache import CacheLayout
+from kimi_linear_jax.model import prefill_step, split_flat
 from kimi_linear_jax.parallel.rules import layout_cache
 from serving.core.decode import decode_steps
 from serving.core.state_pool import copy_slots, reset_cache_slots
-from serving.speculative.draft_tree import (
-    depth_for,
-    held_on_chain,
-    tree_drafts,
-    tree_parents,
-    window_tail,
+from serving.speculative.draft_tree import depth_for, tree_drafts, tree_parents
+from serving.speculative.draft_writes import (
+    catch_up,
+    commit_window,
+    track_resting,
+    tree_rollback,
+    write_lag,
 )
 from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
 from serving.speculative.lag import Lag
 from serving.speculative.lookup import Ahead, look_up, lookup_window
-from serving.speculative.verify import track_rows, write_track
-
-
-def _commit(cache, per_step, slots, n, track, after):
-    """Commit step n[b] - 1 of the window into each row's slot and, with `track` = (track
-    slots, track steps [B], -1: none), the state after the track step into the track slot,
-    as the target's verify does for the prefix cache (rows whose step is not below n write
-    nothing there)."""
-    if track is None:
-        return commit_kda(cache, per_step, slots, n, after=after)
-    track_slots, track_steps = track
-    snaps = track_rows(per_step, track_steps, n)
-    cache = commit_kda(cache, per_step, slots, n, after=(after, snaps))
-    return write_track(cache, snaps, track_slots, track_steps, n)
-
-
-def _only(rows, track):
-    """`track` for the rows `rows` alone (the others: no track step)."""
-    return None if track is None else (track[0], jnp.where(rows, track[1], -1))
-
-
-def _batch_of(rows, batch: Batch, start, lengths) -> Batch:
-    """A batch of the rows `rows` from `start`, `lengths` long; the others become padding
-    rows (slot and pages null, length 0), so nothing of theirs is written."""
-    pad = jnp.zeros_like(batch.slots)
-    slots, start, lengths = (jnp.where(rows, a, pad) for a in (batch.slots, start, lengths))
-    return Batch(slots, jnp.where(rows[:, None], batch.block_table, 0), start, lengths)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _rollback(cache, per_step, slots, commit_lens, model_rows, track=None):
-    # Lookup rows ran no step in the window: n = 0 keeps their slot as it was.
-    n = jnp.where(model_rows, commit_lens, 0)
-    return _commit(cache, per_step, slots, n, _only(model_rows, track), after=None)
-
-
-def _pass(graphdef, params, ids, cache, batch: Batch, track=None):
-    # A window pass and its commit, as in the target's verify: on the built-in draft it took
-    # 1.1 ms where a prefill with prefix took 1.3-1.7 ms (separate runs). (logits, cache)
-    logits, cache, per_step = merge(graphdef, params).verify(ids, cache, batch)
-    return logits, _commit(cache, per_step, batch.slots, batch.lengths, track, after=logits)
-
-
-def _write(graphdef, params, ids, cache, batch: Batch, track=None):
-    return _pass(graphdef, params, ids, cache, batch, track)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _write_lag(graphdef, params, ids, cache, batch: Batch):
-    """A lag's window pass, and whether the draft's greedy token at each position but the
-    last was the token that followed ([B, W - 1], False past a row's lag): the shadow drafts
-    of the steps the row rested in, scored for the price of an argmax."""
-    logits, cache = _pass(graphdef, params, ids, cache, batch)
-    hits = jnp.argmax(logits[:, :-1], axis=-1) == ids[:, 1:]
-    return cache, hits & (jnp.arange(ids.shape[1] - 1) < batch.lengths[:, None] - 1)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _catch_up(graphdef, params, window, cache, batch: Batch, rows, commit_lens, track=None):
-    """Write the accepted tokens `window[b, :commit_lens[b]]` of the rows `rows`."""
-    lookup = _batch_of(rows, batch, batch.start, commit_lens)
-    return _write(graphdef, params, window, cache, lookup, _only(rows, track))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "width"), donate_argnames=("cache",))
-def _tree_rollback(
-    graphdef,
-    params,
-    cache,
-    per_step,
-    chain,
-    window,
-    batch: Batch,
-    model_rows,
-    drafted,
-    commit_lens,
-    track=None,
-    *,
-    width,
-):
-    """After a tree verify: model rows commit the step that ends the chain part of their
-    accepted path (lookup rows ran none: 0 keeps the slot), then the drafted rows write the
-    rest of it (`width` tokens at most; 0: none can have any) in one window pass from there,
-    with each part's track snapshot (a track step inside the tail is shifted into it)."""
-    held = jnp.where(model_rows, held_on_chain(window, chain, commit_lens), 0)
-    if per_step is not None:
-        cache = _commit(cache, per_step, batch.slots, held, _only(model_rows, track), None)
-    if not width:
-        return cache
-    ids, rest = window_tail(window, held, commit_lens, width)
-    rows = drafted & (rest > 0)
-    tail = _batch_of(rows, batch, batch.start + held, rest)
-    shifted = None if track is None else (track[0], jnp.where(rows, track[1] - held, -1))
-    return _write(graphdef, params, ids, cache, tail, shifted)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _track_resting(cache, slots, rows, commit_lens, track):
-    """Resting rows drafted nothing, so their track step can only be 0, the state after
-    `last`, and their slot holds it: the runner flushed their lag, `last` included, before
-    the verify (`_flush_lags`). It goes to the track slot as a one-step window."""
-    one_step = tuple(
-        KDAState(*(a[:, None] for a in state_rows(state, slots))) for state in cache.kda
-    )
-    track_slots, track_steps = _only(rows, track)
-    snaps = track_rows(one_step, track_steps, commit_lens)
-    return write_track(cache, snaps, track_slots, track_steps, commit_lens)
 
 
 class DraftModelDrafter(Drafter):
@@ -225,7 +117,7 @@ class DraftModelDrafter(Drafter):
         looked = self._look_up(requests, max_drafts, b)
         last, num, steps = self._rows(requests, max_drafts, looked, k_model, topk=1)
         model = [r.request_id for r, s in zip(requests, steps[: len(requests)], strict=True) if s]
-        self.ungated = frozenset(model if self.min_acceptance else ())
+        self.ungated = frozenset(model if self._apart else ())
         self._flush_lags(requests, batch, last, steps, looked, checkpointed)
         model_rows = steps > 0
         window = lookup_window(looked, last, k)
@@ -276,33 +168,58 @@ class DraftModelDrafter(Drafter):
             steps[i] = depth_for(num[i], topk) + 1 if num[i] else 0
         return last, num, steps
 
+    @property
+    def _apart(self) -> bool:
+        """Lookup first, gated (`min_acceptance`) or under cost-aware widths: the model's
+        drafts are judged by their own record (`DraftRecord`), the lookup's by the request's
+        acceptance. Counted together, each kind's misses held the other back."""
+        return self.lookup is not None and (self.min_acceptance > 0 or self.keep_shadows)
+
+    @staticmethod
+    def _record(request) -> DraftRecord:
+        request.drafter_state = request.drafter_state or DraftRecord()
+        return request.drafter_state
+
     def _may_draft(self, request, room: int) -> bool:
         # Without lookup the scheduler gates the model's drafts; with it, the model's record.
         if not self.min_acceptance or room <= 0:
             return True
-        request.drafter_state = request.drafter_state or DraftRecord()
-        return request.drafter_state.may_draft(self.min_acceptance)
+        return self._record(request).may_draft(self.min_acceptance)
 
     def verified(self, requests, accepted, drafts) -> None:
         # Score the model's own windows (`ungated`); lookup windows count for the scheduler.
         for i, request in enumerate(requests):
             if request.request_id in self.ungated and drafts[i]:
-                request.drafter_state.score(accepted[i] / drafts[i])
+                self._record(request).score(accepted[i] / drafts[i])
+                self._record(request).count(int(accepted[i]), int(drafts[i]))
+
+    def own_shadows(self, request, hits: list[bool]) -> list[bool]:
+        # The lag pass scores the model's drafts: its record's, when judged apart.
+        if not self._apart:
+            return hits
+        for hit in hits:
+            self._record(request).count(int(hit), 1)
+        return []
+
+    def shadow(self, request) -> int | None:
+        # Judged apart, a resting request's acceptance is its lookup's: measured for free.
+        return self.lookup.shadow(request) if self._apart else None
 
     @property
     def lookup_first(self) -> bool:
         return self.lookup is not None
 
     def plan(self, requests, max_drafts):
-        """(lookup drafts, model drafts) per row with `max_drafts` room (a row drafts one way),
-        the lookup's kept for this step's `propose`; None without lookup."""
+        """(lookup drafts, model drafts, the model's acceptance) per row with `max_drafts`
+        room (a row drafts one way), the lookup's kept for `propose`; None without lookup."""
         if self.lookup is None:
             return None
         looked = look_up(self.lookup, self.lookup_tokens, requests, max_drafts, len(requests))
         self._ahead.keep(requests, looked)
         k = self.num_draft_tokens or max(max_drafts, default=0)
         model = [0 if d or n <= 0 else min(n, k) for d, n in zip(looked, max_drafts, strict=True)]
-        return [len(d) for d in looked], model
+        alphas = [self._record(r).alpha if self._apart else r.spec_alpha for r in requests]
+        return [len(d) for d in looked], model, alphas
 
     def _look_up(self, requests, max_drafts, b: int, topk: int | None = None) -> list[list]:
         """Each row's lookup drafts (those `plan` found, if it ran for this step), or its
@@ -352,7 +269,7 @@ class DraftModelDrafter(Drafter):
         work = self.lag.take(slots, rows)
         if work is not None:
             ids, lag = work
-            self.cache, hits = _write_lag(self.graphdef, self.params, ids, self.cache, lag)
+            self.cache, hits = write_lag(self.graphdef, self.params, ids, self.cache, lag)
             if self.keep_shadows:  # cost-aware widths: `take_shadows` drains them
                 self._lag_hits.append((lag.slots, lag.lengths, hits))
 
@@ -404,20 +321,20 @@ class DraftModelDrafter(Drafter):
         lookup_rows = None if self._window is None else self._window[0]
         if self._per_step is not None:
             rows = self._model_rows
-            self.cache = _rollback(self.cache, self._per_step, slots, commit_lens, rows, track)
+            self.cache = commit_window(self.cache, self._per_step, slots, commit_lens, rows, track)
             self._per_step = None
         if self._window is not None:
             rows, window, batch = self._window
-            self.cache = _catch_up(
+            self.cache = catch_up(
                 self.graphdef, self.params, window, self.cache, batch, rows, commit_lens, track
             )
             self._window = None
         if track is not None:
             drafted = self._model_rows if lookup_rows is None else self._model_rows | lookup_rows
-            self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)
+            self.cache = track_resting(self.cache, slots, ~drafted, commit_lens, track)
 
     def rollback_tree(self, slots, window, commit_lens, track=None) -> None:
-        # Every drafted row's caches end holding its accepted path (`_tree_rollback`); an
+        # Every drafted row's caches end holding its accepted path (`tree_rollback`); an
         # attention-only draft needs the pass too: its KV at a leaf's position is the chain's.
         if self._tree is None:
             return
@@ -430,7 +347,7 @@ class DraftModelDrafter(Drafter):
         if width or self._per_step is not None:
             if chain is None:
                 chain = jnp.zeros((len(drafted), 1), jnp.int32)
-            self.cache = _tree_rollback(
+            self.cache = tree_rollback(
                 self.graphdef,
                 self.params,
                 self.cache,
@@ -446,4 +363,4 @@ class DraftModelDrafter(Drafter):
             )
         self._per_step = self._tree = None
         if track is not None:
-            self.cache = _track_resting(self.cache, slots, ~drafted, commit_lens, track)
+            self.cache = track_resting(self.cache, slots, ~drafted, commit_lens, track)

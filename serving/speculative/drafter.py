@@ -20,10 +20,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.core.request import acceptance_ema
+from serving.core.request import acceptance_ema, alpha_counts, alpha_estimate
 
 # A request whose self-gated drafts keep failing tries them again after this many proposals.
 PROBE_INTERVAL = 16
+# `DraftRecord.alpha` before its source's first window: even odds. A draft model's lag passes
+# score 15 shadows each, which soon outweigh it.
+ALPHA_PRIOR = 0.5
 
 
 @dataclasses.dataclass
@@ -34,9 +37,20 @@ class DraftRecord:
 
     acceptance: float = 1.0
     skipped: int = 0
+    # Its per-draft estimate (`alpha`), for cost-aware widths: as `Request.spec_alpha`.
+    hits: float = 0.0
+    trials: float = 0.0
 
     def score(self, rate: float) -> None:
         self.acceptance = acceptance_ema(self.acceptance, rate)
+
+    def count(self, accepted: int, drafts: int) -> None:
+        """One more window (a shadow: one draft) into `alpha`."""
+        self.hits, self.trials = alpha_counts(self.hits, self.trials, accepted, drafts)
+
+    @property
+    def alpha(self) -> float:
+        return alpha_estimate(self.hits, self.trials, ALPHA_PRIOR)
 
     def may_draft(self, min_acceptance: float) -> bool:
         """May the source draft now: its acceptance is high enough, or a probe (every
@@ -85,6 +99,11 @@ class Drafter:
         by state slot: whether each draft was the token that followed, oldest first."""
         return {}
 
+    def own_shadows(self, request, hits: list[bool]) -> list[bool]:
+        """Those of `request`'s `take_shadows` that the scheduler is to record: a drafter
+        that judges those drafts apart (`ungated`) keeps them in its own record instead."""
+        return hits
+
     def propose(
         self, requests: Sequence, max_drafts: Sequence[int], batch, k: int, checkpointed=()
     ):
@@ -108,8 +127,9 @@ class Drafter:
     lookup_first: bool = False
 
     def plan(self, requests: Sequence, max_drafts: Sequence[int]):
-        """(lookup drafts, model drafts) each row would propose with `max_drafts` room, before
-        the width is chosen (lookup first); None: the drafter finds out in `propose`."""
+        """(lookup drafts, model drafts, the model's acceptance) of each row with `max_drafts`
+        room, before the width is chosen (lookup first: the model's drafts are judged by
+        their own estimate, the lookup's by the request's); None: found out in `propose`."""
         return None
 
     def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:

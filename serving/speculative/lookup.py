@@ -1,6 +1,6 @@
 """Lookup first, the draft model's host part: each row's prompt-lookup drafts (a row whose
 context recurs drafts so instead of by the model) and the window ids of those rows, which the
-draft writes after the verify (`draft_model._catch_up`).
+draft writes after the verify (`draft_writes.catch_up`).
 
 Under cost-aware widths the verifier asks where each row's drafts come from before it chooses
 the width (`DraftModelDrafter.plan`): a lookup window runs none of the model's steps and costs

@@ -68,6 +68,7 @@ class Verifier:
         # False steps them one call at a time (the reference the tests compare with).
         self.draftless_runs = True
         self._lookup = False  # cost-aware widths: this step's window is of lookup drafts alone
+        self._alphas: list[float] = []  # and the acceptance its width is chosen on, per row
 
     def run(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device.
@@ -145,7 +146,7 @@ class Verifier:
         lag = self.drafter.take_shadows()
         for r in output.decode:
             rid = r.request_id
-            hits = list(lag.get(output.placement[rid].slot, ()))
+            hits = self.drafter.own_shadows(r, list(lag.get(output.placement[rid].slot, ())))
             if rid in shadows:
                 hits.append(result.samples[rid][0].token == shadows[rid])
             if hits:
@@ -215,33 +216,34 @@ class Verifier:
         """(width, each row's most drafts) chosen on the rows' room and acceptance. Probing
         rows (and rows not yet verified) draft the probe width at least: a probe is what
         tells whether a request's drafts got better."""
-        alphas = [r.spec_alpha for r in output.decode]
-        w, max_drafts = self._planned(output, max_drafts, alphas, b)
+        self._alphas = [r.spec_alpha for r in output.decode]
+        w, max_drafts = self._planned(output, max_drafts, b)
         probes = self._probing(output)
         if w == 0 and any(probes):
             w = self.widths.probe_width(b)
             return w, [min(n, w) if p else 0 for n, p in zip(max_drafts, probes, strict=True)]
         return w, [min(n, w) for n in max_drafts]
 
-    def _planned(self, output: SchedulerOutput, max_drafts, alphas, b: int):
+    def _planned(self, output: SchedulerOutput, max_drafts, b: int):
         """(width, room) on what each row would draft (`Drafter.plan`). Lookup first: the
-        model's windows, or lookup windows alone with the model's rows resting (priced
-        without its steps), whichever pays more. Otherwise on the room alone."""
-        self._lookup = False
+        model's windows (its rows at the model's own acceptance), or lookup windows alone
+        with the model's rows resting (priced without its steps), whichever pays more.
+        Otherwise on the room alone. Sets the acceptance `_fit` chooses on again."""
+        self._lookup, alphas = False, self._alphas
         plan = self.drafter.plan(output.decode, max_drafts)
         if plan is None:
             return self.widths.choose(alphas, max_drafts, b), max_drafts
-        lookup, model = plan
+        lookup, model, model_alphas = plan
         both = [a + m for a, m in zip(lookup, model, strict=True)]
-        choice = self.widths.best(alphas, both, b)
-        if any(model):  # the lookup rows alone, without the model's steps
-            alone = self.widths.best(alphas, lookup, b, lookup=True)
-            if alone[1] > choice[1]:
-                choice, self._lookup = alone, True
-                return choice[0], [n if a else 0 for a, n in zip(lookup, max_drafts)]
-        else:
-            choice, self._lookup = self.widths.best(alphas, lookup, b, lookup=True), True
-        return choice[0], max_drafts
+        own = [ma if m else a for a, m, ma in zip(alphas, model, model_alphas, strict=True)]
+        alone = self.widths.best(alphas, lookup, b, lookup=True)
+        if any(model):  # the model's windows, against the lookup rows alone
+            choice = self.widths.best(own, both, b)
+            if choice[1] >= alone[1]:
+                self._alphas = own
+                return choice[0], max_drafts
+        self._lookup = True
+        return alone[0], [n if a else 0 for a, n in zip(lookup, max_drafts, strict=True)]
 
     @staticmethod
     def _probing(output: SchedulerOutput) -> list[bool]:
@@ -252,8 +254,7 @@ class Verifier:
         proposed (an n-gram finds fewer than its room), padded to that compiled width."""
         num = np.asarray(num)
         n = len(output.decode)
-        alphas = [r.spec_alpha for r in output.decode]
-        w = self.widths.choose(alphas, num[:n].tolist(), b, lookup=self._lookup)
+        w = self.widths.choose(self._alphas, num[:n].tolist(), b, lookup=self._lookup)
         if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):
             w = int(num.max())
             w = next(c for c in self.widths.widths if c >= w)

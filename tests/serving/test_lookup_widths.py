@@ -57,23 +57,28 @@ def test_lookup_windows_are_priced_apart():
 
 
 class _Plan:
-    """A drafter stand-in that plans fixed (lookup, model) drafts per row."""
+    """A drafter stand-in that plans fixed (lookup, model, model acceptance) per row."""
 
-    def __init__(self, lookup, model):
-        self.lookup, self.model = lookup, model
+    def __init__(self, lookup, model, model_alphas):
+        self.lookup, self.model, self.model_alphas = lookup, model, model_alphas
 
     def plan(self, requests, max_drafts):
-        return self.lookup, self.model
+        return self.lookup, self.model, self.model_alphas
 
 
-def _planned(lookup, model, model_costs, alphas):
+def _planned(lookup, model, model_costs, alphas, model_alphas=None):
+    model_alphas = alphas if model_alphas is None else model_alphas
     verifier = types.SimpleNamespace(
-        drafter=_Plan(lookup, model), widths=WidthPolicy(4, _curve(model_costs))
+        drafter=_Plan(lookup, model, model_alphas),
+        widths=WidthPolicy(4, _curve(model_costs)),
+        _alphas=alphas,
     )
     output = types.SimpleNamespace(decode=[None] * len(lookup))
-    room = [4] * len(lookup)
-    w, room = Verifier._planned(verifier, output, room, alphas, 4)
+    w, room = Verifier._planned(verifier, output, [4] * len(lookup), 4)
     return w, room, verifier._lookup
+
+
+CHEAP = {1: 1.05, 2: 1.1, 4: 1.15}
 
 
 def test_plan_compares_the_models_windows_with_lookup_windows_alone():
@@ -81,12 +86,23 @@ def test_plan_compares_the_models_windows_with_lookup_windows_alone():
     # not pay: lookup windows alone, the model's row resting (room 0).
     assert _planned([4, 0], [0, 2], MODEL_COSTS, [1.0, 1.0]) == (4, [4, 0], True)
     # Cheap model windows: both rows draft, on the model's curve (its steps run for row 1).
-    cheap = {1: 1.05, 2: 1.1, 4: 1.15}
-    assert _planned([4, 0], [0, 2], cheap, [1.0, 1.0]) == (4, [4, 4], False)
+    assert _planned([4, 0], [0, 2], CHEAP, [1.0, 1.0]) == (4, [4, 4], False)
     # No row would run the model: lookup windows, even though the model's would not pay.
     assert _planned([3, 2], [0, 0], MODEL_COSTS, [1.0, 1.0]) == (4, [4, 4], True)
     # Nothing found, the model does not pay: a plain step.
     assert _planned([0, 0], [2, 2], MODEL_COSTS, [1.0, 1.0])[0] == 0
+
+
+def test_plan_judges_the_models_rows_by_the_models_acceptance():
+    # Model windows a little dearer than lookup windows (1.5 against 1.3 at w = 4). At the
+    # request's acceptance (its lookup windows', 1.0) row 1's model drafts would pay for them:
+    # (5 + 3) / 1.5 > 6 / 1.3; at the model's own (0.05) they do not: lookup windows alone.
+    dearer = {1: 1.2, 2: 1.3, 4: 1.5}
+    assert _planned([4, 0], [0, 2], dearer, [1.0, 1.0]) == (4, [4, 4], False)
+    assert _planned([4, 0], [0, 2], dearer, [1.0, 1.0], [1.0, 0.05]) == (4, [4, 0], True)
+    assert _planned([0], [2], dearer, [1.0], [0.05])[0] == 0
+    # The other way round: a request whose lookup misses, a model that holds.
+    assert _planned([0], [2], dearer, [0.05], [1.0]) == (2, [4], False)
 
 
 @pytest.fixture(scope="module")
@@ -127,4 +143,60 @@ def test_lookup_rows_draft_wide_where_the_models_do_not_pay(model, reference, mo
     # then the last 4 tokens (3 drafts, in the compiled window of 4). The second prompt
     # prefills in two chunks, so the rows' windows are one step apart.
     assert m["spec_draft_tokens"] == 3 * (7 * 4 + 3)
-    assert widths and set(widths) == {4}, widths
+    assert widths and set(widths) == {4}, str(widths)
+
+
+class _EveryOtherCall(OracleDrafter):
+    """Lookup stand-in: the true continuation (never wrong) at every other call for each
+    request, nothing at the others; counts the drafts it proposed, and the longest
+    proposal since `widest` was last reset (a step's)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls, self.proposed, self.widest = {}, 0, 0
+
+    def propose_tokens(self, request, max_drafts):
+        calls = self.calls[request.request_id] = self.calls.get(request.request_id, 0) + 1
+        drafts = super().propose_tokens(request, max_drafts) if calls % 2 else []
+        self.proposed += len(drafts)
+        self.widest = max(self.widest, len(drafts))
+        return drafts
+
+    def shadow(self, request):  # the truth, outside the count of calls
+        drafts = super().propose_tokens(request, 1)
+        return drafts[0] if drafts else None
+
+
+def test_models_misses_do_not_narrow_the_lookup_windows(model, reference, monkeypatch):
+    """A draft model with random weights (its drafts and lag shadows miss) behind a lookup
+    that always holds, at every other step: windows pay only at a high acceptance. Judged
+    by the request's acceptance, the lookup's, every lookup proposal is verified whole in a
+    window of 4; the model is judged by its own. Counted together (the model's lag shadows
+    and windows in the request's acceptance), the lookup windows narrowed and stopped."""
+    import serving.speculative.steps as steps
+
+    draft = random_model(preset("tiny"), seed=5)
+    spec = {"method": "draft_model", "num_draft_tokens": 2, "prompt_lookup_num_tokens": 4}
+    llm = LLM(model, speculative={**spec, "model": draft, "width_policy": "cost"}, **SHAPES)
+    truth = {tuple(p): r for p, r in zip(PROMPTS, reference, strict=True)}
+    lookup = llm.runner.drafter.lookup = _EveryOtherCall(truth, model.config.vocab_size)
+    # At acceptance 1 the widest window pays most; at 0.5 none pays.
+    llm.runner.widths.curve = _curve({1: 1.6, 2: 2.0, 4: 2.4}, {1: 1.5, 2: 1.9, 4: 2.2})
+    widths, verify = [], steps.verify_step
+
+    def spy(*args, **kw):  # (the window's width, the step's longest lookup proposal)
+        widths.append((args[3].shape[1], lookup.widest))
+        lookup.widest = 0
+        return verify(*args, **kw)
+
+    monkeypatch.setattr(steps, "verify_step", spy)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    m = llm.metrics()
+    assert m["spec_lookup_draft_tokens"] == lookup.proposed > 0, (m, lookup.proposed)
+    # Every lookup draft is accepted (the model's, in windows it shares with lookup rows
+    # while its own estimate falls, mostly miss).
+    assert m["spec_accepted_tokens"] >= lookup.proposed, m
+    # Each window as wide as its step's longest lookup proposal: 4, or what is left of a
+    # request's max_tokens at its end.
+    assert widths and all(w == p for w, p in widths), widths
+    assert max(w for w, _ in widths) == 4, widths

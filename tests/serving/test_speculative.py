@@ -241,8 +241,8 @@ def test_attention_only_draft_needs_no_rollback(model, reference, monkeypatch):
     import serving.speculative.draft_model as draft_mod
 
     rollbacks = []
-    real = draft_mod._rollback
-    monkeypatch.setattr(draft_mod, "_rollback", lambda *a: rollbacks.append(1) or real(*a))
+    real = draft_mod.commit_window
+    monkeypatch.setattr(draft_mod, "commit_window", lambda *a: rollbacks.append(1) or real(*a))
     attn = random_model(preset("tiny", **ATTENTION_ONLY), seed=7)
     assert not attn.has_recurrent_state
     plain = [o.token_ids for o in LLM(attn, **SHAPES).generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -859,10 +859,10 @@ def test_resting_rows_lag_and_catch_up(monkeypatch):
     from serving.speculative.lag import MAX_LAG
 
     widths = []
-    real = draft_mod._write_lag
+    real = draft_mod.write_lag
     monkeypatch.setattr(
         draft_mod,
-        "_write_lag",
+        "write_lag",
         lambda g, p, ids, cache, batch: (
             widths.append((ids.shape[1], max(batch.lengths))) or real(g, p, ids, cache, batch)
         ),
