@@ -11,23 +11,12 @@ import pytest
 
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
-from serving.core.sampling import SamplingParams
 from serving.engine import LLM
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.steps import Verifier
 from serving.speculative.widths import CostCurve, WidthPolicy, expected_tokens, window_key
+from tests.serving.test_widths import GREEDY, PROMPTS, SHAPES  # the widths tests' engine
 
-PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-SHAPES = dict(
-    num_pages=40,
-    page_size=4,
-    max_num_seqs=4,
-    batch_buckets=(4,),
-    token_buckets=(64,),
-    max_num_batched_tokens=64,
-    chunk_size=16,
-)
 # The model's windows cost 3-6 plain steps (none pays, even if every draft holds); lookup
 # windows 1.1-1.3 (the widest pays most).
 MODEL_COSTS = {1: 3.0, 2: 4.0, 4: 6.0}
