@@ -30,7 +30,7 @@ import serving.speculative.steps as steps_mod
 from benchmarks.harness import Suite, Table, add_ratio, batch_shapes, interleaved, ints, repeats
 from kimi_linear_jax import corpus, load_pretrained
 from kimi_linear_jax.cache import contiguous_batch, init_cache
-from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, BUILTIN_MODEL, save_pretrained
+from kimi_linear_jax.checkpoint import BUILTIN_DRAFT, BUILTIN_MODEL, read_config, save_pretrained
 from kimi_linear_jax.layers import linear
 from kimi_linear_jax.model import HashedGraph, KimiLinearForCausalLM, merge
 from kimi_linear_jax.presets import preset
@@ -162,7 +162,7 @@ def _draft_model(name: str):
     weights: its drafts miss, which is where each kind of window's own acceptance matters."""
     if name != "random":
         return name
-    return random_model(load_pretrained(BUILTIN_DRAFT).config, seed=3)
+    return random_model(read_config(BUILTIN_DRAFT), seed=3)
 
 
 # ---- code continuation with the built-in models -----------------------------------------------

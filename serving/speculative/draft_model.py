@@ -190,8 +190,9 @@ class DraftModelDrafter(Drafter):
         # Score the model's own windows (`ungated`); lookup windows count for the scheduler.
         for i, request in enumerate(requests):
             if request.request_id in self.ungated and drafts[i]:
-                self._record(request).score(accepted[i] / drafts[i])
-                self._record(request).count(int(accepted[i]), int(drafts[i]))
+                record = self._record(request)
+                record.score(accepted[i] / drafts[i])
+                record.count(int(accepted[i]), int(drafts[i]))
 
     def own_shadows(self, request, hits: list[bool]) -> list[bool]:
         # The lag pass scores the model's drafts: its record's, when judged apart.

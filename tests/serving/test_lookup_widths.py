@@ -132,7 +132,7 @@ def test_lookup_rows_draft_wide_where_the_models_do_not_pay(model, reference, mo
     # then the last 4 tokens (3 drafts, in the compiled window of 4). The second prompt
     # prefills in two chunks, so the rows' windows are one step apart.
     assert m["spec_draft_tokens"] == 3 * (7 * 4 + 3)
-    assert widths and set(widths) == {4}, str(widths)
+    assert widths and set(widths) == {4}, widths
 
 
 class _EveryOtherCall(OracleDrafter):
@@ -160,8 +160,9 @@ def test_models_misses_do_not_narrow_the_lookup_windows(model, reference, monkey
     """A draft model with random weights (its drafts and lag shadows miss) behind a lookup
     that always holds, at every other step: windows pay only at a high acceptance. Judged
     by the request's acceptance, the lookup's, every lookup proposal is verified whole in a
-    window of 4; the model is judged by its own. Counted together (the model's lag shadows
-    and windows in the request's acceptance), the lookup windows narrowed and stopped."""
+    window as wide as it (4, less at a request's end); the model is judged by its own.
+    Counted together (the model's lag shadows and windows in the request's acceptance), the
+    lookup windows narrowed and stopped."""
     import serving.speculative.steps as steps
 
     draft = random_model(preset("tiny"), seed=5)
