@@ -6,7 +6,11 @@ decoding in the same run.
 oracle: the ``small`` preset with random weights and an oracle drafter that replays plain
 decoding's continuation, each draft wrong independently with probability 1 - A (so A is the
 per-draft acceptance), at several A: plain, a fixed k of each candidate width and cost-aware
-widths over the same candidates. code: the built-in model and its draft on held-out code.
+widths over the same candidates. Each prompt's wrong positions are drawn apart (seeded by its
+row), and B = 1 runs ``--rows`` prompts one after another: one draw of 64 positions, shared by
+a batch's rows, is far from A (at A = 0.5 the second draft of a window was accepted after the
+first at 22%), and a fixed k chosen after the fact would win on that draw alone.
+code: the built-in model and its draft on held-out code.
 Greedy, EOS ignored; every run's tokens are compared with plain decoding's ("identical");
 speedup = decode tok/s over plain's, from the same interleaved rounds.
 """
@@ -35,6 +39,7 @@ SUITE.option("--max-tokens", type=int, help="new tokens per prompt (oracle: 64, 
 SUITE.option("--batches", help="batch sizes (1,8)")
 SUITE.option("--rates", default="0,0.25,0.5,0.75,0.9,1", help="oracle: per-draft acceptance")
 SUITE.option("--prompts", type=int, help="code: held-out prompts (6)")
+SUITE.option("--rows", type=int, help="oracle: prompts per batch size, in batches of B (8)")
 
 
 def _cost_row(rows: list[dict]) -> None:
@@ -89,31 +94,39 @@ def oracle(args) -> list[Table]:
     model = random_model(config, seed=0)
     shapes = batch_shapes(batches, prompt_len, n + k + 1)  # the truth runs k + 1 further
     rng = np.random.default_rng(0)
-    prompts = {b: rng.integers(0, config.vocab_size, (b, prompt_len)).tolist() for b in batches}
+    count = args.rows or (1 if quick else 8)
+    prompts = {}  # per batch size: its batches of prompts, run one after another
+    for b in batches:
+        rows = rng.integers(0, config.vocab_size, (max(b, count) // b * b, prompt_len)).tolist()
+        prompts[b] = [rows[i : i + b] for i in range(0, len(rows), b)]
     plain = LLM(model, **shapes)
     truth = {}
-    for b in batches:
-        for p, tokens in zip(prompts[b], generate_run(plain, prompts[b], n + k + 1)["tokens"]):
+    for batch in (batch for b in batches for batch in prompts[b]):
+        for p, tokens in zip(batch, generate_run(plain, batch, n + k + 1)["tokens"]):
             truth[tuple(p)] = tokens
+    seeds = {p: i for i, p in enumerate(truth)}  # each prompt's wrong positions drawn apart
     tables = []
     for b in batches:
         rows = []
         for rate in rates:
+            wrong = {p: hash_wrong(rate, seed) for p, seed in seeds.items()}
             engines = {"plain": plain}
             for w in candidate_widths(k):
-                engines[f"oracle fixed k={w}"] = _oracle_llm(model, truth, rate, w, "fixed", shapes)
-            engines[f"oracle cost k<={k}"] = _oracle_llm(model, truth, rate, k, "cost", shapes)
-            got = decode_rates(engines, [prompts[b]], n, rounds)
+                fixed = _oracle_llm(model, truth, wrong, w, "fixed", shapes)
+                engines[f"oracle fixed k={w}"] = fixed
+            engines[f"oracle cost k<={k}"] = _oracle_llm(model, truth, wrong, k, "cost", shapes)
+            got = decode_rates(engines, prompts[b], n, rounds)
             rows += _table_rows(got, {"A": rate, "B": b})
-        title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}, best of {rounds}"
+        title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}"
+        title += f", {len(prompts[b]) * b} prompts, best of {rounds}"
         tables.append(Table(title, rows, ["A", "B", *COLUMNS], {"k": k, "B": b, "N": n}))
     return tables
 
 
-def _oracle_llm(model, truth, rate: float, k: int, policy: str, shapes) -> LLM:
+def _oracle_llm(model, truth, wrong, k: int, policy: str, shapes) -> LLM:
     # min_acceptance 0 for the fixed widths: they draft every step, the width's own price.
     spec = {"method": "ngram", "num_draft_tokens": k, "width_policy": policy, "min_acceptance": 0}
-    drafter = OracleDrafter(truth, model.config.vocab_size, hash_wrong(rate))
+    drafter = OracleDrafter(truth, model.config.vocab_size, wrong)
     return LLM(model, speculative=spec, drafter=drafter, **shapes)
 
 

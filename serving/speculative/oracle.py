@@ -4,7 +4,8 @@ wrong tokens injected, so that acceptance is controlled exactly.
 `continuations` maps a prompt (tuple of ids) to the tokens that greedy decoding produces after
 it. `wrong(position)` says whether the draft for output position `position` (0-based index into
 the continuation) is replaced by a wrong token, which rejects it and everything after it in the
-window.
+window; a mapping of prompts to such functions draws each prompt's wrong positions apart (a
+batch's rows then sample an acceptance level independently instead of repeating one draw).
 
 Trees (`propose_tree_tokens`): at each depth up to `topk` siblings, children of the node that
 carries the true token one depth up; `branch(position)` is the sibling index (clipped to the
@@ -26,7 +27,9 @@ class OracleDrafter(Drafter):
         self,
         continuations: Mapping[tuple[int, ...], Sequence[int]],
         vocab_size: int,
-        wrong: Callable[[int], bool] = lambda position: False,
+        wrong: Callable[[int], bool] | Mapping[tuple[int, ...], Callable[[int], bool]] = (
+            lambda position: False
+        ),
         branch: Callable[[int], int] = lambda position: 0,
     ) -> None:
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
@@ -39,12 +42,17 @@ class OracleDrafter(Drafter):
         truth = self.continuations.get(tuple(request.prompt_token_ids), [])
         return truth, len(request.output_token_ids)
 
+    def _wrong(self, request) -> Callable[[int], bool]:
+        if isinstance(self.wrong, Mapping):
+            return self.wrong[tuple(request.prompt_token_ids)]
+        return self.wrong
+
     def propose_tokens(self, request, max_drafts: int) -> list[int]:
         truth, done = self._truth(request)
-        drafts = []
+        wrong, drafts = self._wrong(request), []
         for position in range(done, min(done + max_drafts, len(truth))):
             token = truth[position]
-            drafts.append((token + 1) % self.vocab_size if self.wrong(position) else token)
+            drafts.append((token + 1) % self.vocab_size if wrong(position) else token)
         return drafts
 
     shadows = True
@@ -56,12 +64,12 @@ class OracleDrafter(Drafter):
     def propose_tree_tokens(self, request, max_nodes: int, topk: int) -> list[tuple[int, int]]:
         truth, done = self._truth(request)
         nodes: list[tuple[int, int]] = []
-        parent = 0
+        parent, wrong = 0, self._wrong(request)
         for position in range(done, len(truth)):
             width = min(topk, max_nodes - len(nodes))
             if width <= 0:
                 break
-            true_at = -1 if self.wrong(position) else min(self.branch(position), width - 1)
+            true_at = -1 if wrong(position) else min(self.branch(position), width - 1)
             token, base = truth[position], len(nodes) + 1
             for i in range(width):
                 # Wrong tokens: the next ones after the truth, distinct and never the truth.

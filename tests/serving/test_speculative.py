@@ -104,6 +104,20 @@ def test_oracle_greedy_equals_plain(model, reference, case):
     assert_drained(llm)
 
 
+def test_oracle_draws_each_prompts_wrong_positions_apart():
+    """A mapping of prompts to wrong-position functions: each request's drafts are wrong where
+    its own prompt's function says (the benchmark's independent rows), in chains and trees."""
+    from serving.core.request import Request
+
+    truth = {(1,): [5, 6, 7, 8], (2,): [5, 6, 7, 8]}
+    wrong = {(1,): lambda p: p == 1, (2,): lambda p: p == 2}
+    oracle = OracleDrafter(truth, 50, wrong)
+    one, two = Request("a", [1], SamplingParams()), Request("b", [2], SamplingParams())
+    assert oracle.propose_tokens(one, 4) == [5, 7, 7, 8]
+    assert oracle.propose_tokens(two, 4) == [5, 6, 8, 8]
+    assert [t for t, _ in oracle.propose_tree_tokens(two, 4, 1)] == [5, 6, 8]  # ends at the wrong
+
+
 def test_draft_model_preemption_keeps_outputs(model, reference):
     """Preempted requests recompute from scratch in both models: outputs stay plain's, and the
     target drafting for itself still has every draft accepted after the recomputation."""

@@ -19,6 +19,7 @@ from serving.core.sampling import SamplingParams
 from serving.engine import LLM
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.widths import (
+    MIN_LIVE,
     WINDOW,
     CostCurve,
     WidthPolicy,
@@ -137,6 +138,42 @@ def test_profiled_points_carry_the_host_part_of_the_live_plain_step():
     curve.observe(1, 4, 2.5)
     curve.observe(1, 4, 2.5)  # MIN_LIVE steps: measured live, its own price
     assert curve.cost(1, 4) == 2.5
+
+
+def _guessed(live_plain: float = 1.0) -> CostCurve:
+    """A curve of profiles only (1 draft 1.6 steps, 2 drafts 1.7, 4 drafts 5.0) and a live
+    plain step at its profile (no host part)."""
+    curve = CostCurve()
+    for w, c in {0: 1.0, 1: 1.6, 2: 1.7, 4: 5.0}.items():
+        curve.profile(w, 4, c)
+    for _ in range(MIN_LIVE):
+        curve.observe(0, 4, live_plain)
+    return curve
+
+
+@pytest.mark.parametrize("live_one", [1.3, 2.0])
+def test_a_guessed_price_near_the_best_is_tried_until_live_steps_price_it(live_one):
+    """At alpha 0.5 the profile makes 2 drafts the best (4 x 1.75 / 1.7 = 4.12 tokens a
+    step-second) and 1 draft near it (4 x 1.5 / 1.6 = 3.75, within EXPLORE): the guess for 1
+    draft is tried until MIN_LIVE steps price it, then its live price decides. 4 drafts
+    (1.55) are never tried."""
+    policy = WidthPolicy(4, _guessed())
+    alphas, room = [0.5] * 4, [4] * 4
+    chosen = []
+    for _ in range(4 * MIN_LIVE):
+        w = policy.choose(alphas, room, 4)
+        chosen.append(w)
+        policy.curve.observe(w, 4, {1: live_one, 2: 1.7}[w])
+    assert chosen[: 2 * MIN_LIVE] == [2] * MIN_LIVE + [1] * MIN_LIVE  # each priced live once
+    # Live, 1 draft at 1.3 steps makes 4.6 and wins; at 2.0 it makes 3.0 and 2 drafts do.
+    assert chosen[2 * MIN_LIVE :] == [1 if live_one == 1.3 else 2] * (2 * MIN_LIVE)
+    assert policy.curve.settled(1, 4) and not policy.curve.settled(4, 4)
+
+
+def test_a_pinned_curve_is_not_explored():
+    curve = _guessed()
+    curve.frozen = True
+    assert WidthPolicy(4, curve).choose([0.5] * 4, [4] * 4, 4) == 2
 
 
 def test_probe_width_is_the_first_to_pay():
