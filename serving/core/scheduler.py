@@ -198,6 +198,8 @@ class Scheduler:
             out.probes.add(request.request_id)
         elif not out.max_drafts[-1]:  # it rests: a track point only where its steps reach one
             out.decode_steps[-1] = self.cache.cut_before_track(request, room + 1)
+            if out.decode_steps[-1] > 1 and not request.params.has_penalty:
+                out.resting[request.request_id] = out.decode_steps[-1] - 1
 
     def _max_drafts(self, request: Request, room: int) -> int:
         # Penalised rows do not speculate: their counts would change inside the window.

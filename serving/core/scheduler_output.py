@@ -69,6 +69,11 @@ class SchedulerOutput:
     # The decode rows whose drafts are a probe (a resting request drafts once): the next
     # step's drafts depend on what it accepts, not only on its tokens.
     probes: set[Hashable] = dataclasses.field(default_factory=set)
+    # The decode rows that rest (their acceptance is below the drafting threshold, so
+    # `max_drafts` is 0) -> the drafts their reserved window holds. Under cost-aware widths
+    # a resting row drafts after all in a step that runs a window for the others: it rests
+    # from paying for a window, and a window paid for costs it nothing more.
+    resting: dict[Hashable, int] = dataclasses.field(default_factory=dict)
     placement: dict[Hashable, Placement] = dataclasses.field(default_factory=dict)
     preempted: list[Hashable] = dataclasses.field(default_factory=list)
     # Prefix caching. Before the step: copy checkpoint slot -> request's slot (a hit). After the

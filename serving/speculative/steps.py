@@ -213,10 +213,16 @@ class Verifier:
         return picked, depth
 
     def _narrow(self, output: SchedulerOutput, max_drafts, b: int):
-        """(width, each row's most drafts) chosen on the rows' room and acceptance. Probing
-        rows (and rows not yet verified) draft the probe width at least: a probe is what
-        tells whether a request's drafts got better."""
+        """(width, each row's most drafts) chosen on the rows' room and acceptance. Resting
+        rows are offered their room too: a window paid for costs a row nothing more, and the
+        choice counts each row at its own acceptance, so resting rows alone still choose no
+        window (they rest below the break-even). Left out, a row that dipped below it took
+        one token from a window its batch ran anyway (0.86 of fixed k = 4 at B = 8, A =
+        0.75). Probing rows (and rows not yet verified) draft the probe width at least: a
+        probe is what tells whether a request's drafts got better."""
         self._alphas = [r.spec_alpha for r in output.decode]
+        rest, rows = output.resting, output.decode
+        max_drafts = [rest.get(r.request_id, n) for r, n in zip(rows, max_drafts, strict=True)]
         w, max_drafts = self._planned(output, max_drafts, b)
         probes = self._probing(output)
         if w == 0 and any(probes):

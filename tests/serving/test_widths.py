@@ -328,6 +328,45 @@ def test_cheap_windows_and_accepted_drafts_go_widest(model, reference, monkeypat
     assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
 
 
+def test_resting_rows_draft_in_windows_the_others_pay_for(model, reference, monkeypatch):
+    """A request whose drafts fail rests (no window is worth paying for it alone), but in a
+    step whose window the others' accepted drafts pay for it drafts up to the width: those
+    drafts cost nothing more. A row with a repetition penalty never drafts. Left out, the
+    resting row took one token from windows its batch ran anyway (0.86 of fixed k = 4 at
+    B = 8, A = 0.75)."""
+    import serving.speculative.steps as steps
+
+    penalised = dataclasses.replace(GREEDY, repetition_penalty=2.0)
+    plain = LLM(model, **SHAPES)
+    want = plain.generate([PROMPTS[2]], penalised, use_tqdm=False)[0].token_ids
+    truth = {tuple(p): r for p, r in zip(PROMPTS, reference, strict=True)}
+    wrong = {tuple(PROMPTS[0]): lambda p: True, tuple(PROMPTS[1]): lambda p: False}
+    wrong[tuple(PROMPTS[2])] = lambda p: False
+    drafter = OracleDrafter(truth, model.config.vocab_size, wrong)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, **SHAPES)
+    llm.runner.widths.curve = _curve(1.0, {1: 1.4, 2: 1.6, 4: 2.0})
+    real, nums = steps.verify_step, []
+    monkeypatch.setattr(steps, "verify_step", lambda *a, **kw: nums.append(a[4]) or real(*a, **kw))
+    resting, schedule = [], llm.scheduler.schedule
+
+    def spy():
+        resting.append(schedule())
+        return resting[-1]
+
+    monkeypatch.setattr(llm.scheduler, "schedule", spy)
+    params = [GREEDY, GREEDY, GREEDY, penalised]
+    outs = llm.generate([*PROMPTS, PROMPTS[2]], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [*reference, want]
+    assert llm.scheduler.draft_policy.min_acceptance == pytest.approx(0.4)  # the break-even
+    rested = [o for o in resting if outs[0].request_id in o.resting]
+    assert len(rested) >= 10  # the failing request rests below the break-even (0.4) ...
+    windows = [n for n in map(np.asarray, nums) if n[1] == 4]
+    assert len(windows) >= 6 and all(n[0] > 0 for n in windows)  # ... and drafts in them
+    assert all(n[3] == 0 for n in map(np.asarray, nums))  # the penalised row never drafts
+    assert all(outs[3].request_id not in o.resting for o in resting)
+
+
 @pytest.mark.parametrize("wrong", [False, True])
 def test_steps_refresh_the_curve(model, reference, wrong):
     """Drafts always accepted: the windows the run used are measured live; always rejected:
