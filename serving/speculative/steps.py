@@ -259,6 +259,8 @@ class Verifier:
         """(width, drafts [B, width], num) with the width chosen again on the drafts each row
         proposed (an n-gram finds fewer than its room), padded to that compiled width."""
         num = np.asarray(num)
+        if not num.any():  # a plain step (or a track point's alone): no width to choose
+            return 0, drafts, num
         n = len(output.decode)
         w = self.widths.choose(self._alphas, num[:n].tolist(), b, lookup=self._lookup)
         if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):

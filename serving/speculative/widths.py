@@ -206,7 +206,7 @@ def _solve(width: int, ratio: float) -> float:
     if ratio >= width + 1:
         return 1.0
     lo, hi = 0.0, 1.0
-    for _ in range(40):
+    for _ in range(24):  # to 6e-8: it runs for every width at every step (`break_even`)
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_tokens(mid, width) < ratio else (lo, mid)
     return hi
