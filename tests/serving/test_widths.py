@@ -458,6 +458,34 @@ def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
     assert real._cache_size() == compiled
 
 
+def test_steps_with_a_track_point_do_not_price_their_width(model, monkeypatch):
+    """A step where the prefix cache checkpoints a row runs the snapshot's program (dearer
+    than the width's, or a one-token window where no row drafted): it leaves the curve as
+    it was, and the other steps refresh it."""
+    import serving.speculative.steps as steps
+
+    shapes = {**SHAPES, "page_size": 8}
+    prompts = [list(range(1, 31)), list(range(40, 75))]
+    reference = [o.token_ids for o in LLM(model, **shapes).generate(prompts, GREEDY)]
+    truth = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
+    drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: p % 3 == 2)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, enable_prefix_caching=True, **shapes)
+    curve, steps_seen = llm.runner.widths.curve, []
+    observe, run = curve.observe, steps.Verifier.run
+
+    def spy_run(self, output, result):
+        steps_seen.append([bool(output.track)])
+        return run(self, output, result)
+
+    monkeypatch.setattr(curve, "observe", lambda *a: steps_seen[-1].append(a) or observe(*a))
+    monkeypatch.setattr(steps.Verifier, "run", spy_run)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference
+    tracked = [s for s in steps_seen if s[0]]
+    assert tracked and all(len(s) == 1 for s in tracked)
+    assert all(len(s) == 2 for s in steps_seen if not s[0])
+
+
 def test_resting_rows_plan_a_track_point_only_where_they_reach_it(model, monkeypatch):
     """A request that rests computes one token a step: only the step that reaches the track
     point at 64 verifies (the one-token window with its snapshot), not each step whose
