@@ -204,11 +204,9 @@ class Scheduler:
     def _max_drafts(self, request: Request, room: int) -> int:
         # Penalised rows do not speculate: their counts would change inside the window.
         room = 0 if request.params.has_penalty else room
-        drafts, request.spec_skipped, request.spec_probe_after = self.draft_policy.drafts(
-            room,
-            self.draft_policy.acceptance(request),
-            request.spec_skipped,
-            request.spec_probe_after,
+        policy = self.draft_policy
+        drafts, request.spec_skipped, request.spec_probe_after = policy.drafts(
+            room, policy.acceptance(request), request.spec_skipped, request.spec_probe_after
         )
         return drafts
 
