@@ -428,14 +428,10 @@ def test_draft_model_scores_resting_drafts_in_its_lag_pass(model, monkeypatch):
     assert 0 < sum(every) < len(every)  # both outcomes occur
 
 
-def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
-    """With the prefix cache on, a step whose row reaches a track point verifies with the
-    snapshot program, the others without: the profile compiles both of every width (and the
-    one-token window of a step where only a track point verifies), so serving compiles no
-    verify program, and the greedy output stays plain's."""
-    import serving.speculative.steps as steps
-
-    # Past the track point at 64, in the block tables the profile compiles (16 pages of 8).
+def _tracked_engine(model):
+    """A cost-aware oracle engine with the prefix cache on, drafts wrong at every third
+    position, and two prompts that pass the track point at 64 in the block tables the profile
+    compiles (16 pages of 8): (engine, prompts, plain greedy outputs)."""
     shapes = {**SHAPES, "page_size": 8}
     prompts = [list(range(1, 31)), list(range(40, 75))]
     reference = [o.token_ids for o in LLM(model, **shapes).generate(prompts, GREEDY)]
@@ -443,6 +439,17 @@ def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
     drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: p % 3 == 2)
     spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
     llm = LLM(model, speculative=spec, drafter=drafter, enable_prefix_caching=True, **shapes)
+    return llm, prompts, reference
+
+
+def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
+    """With the prefix cache on, a step whose row reaches a track point verifies with the
+    snapshot program, the others without: the profile compiles both of every width (and the
+    one-token window of a step where only a track point verifies), so serving compiles no
+    verify program, and the greedy output stays plain's."""
+    import serving.speculative.steps as steps
+
+    llm, prompts, reference = _tracked_engine(model)
     assert llm.track_interval == 64
     real, tracked = steps.verify_step, []
 
@@ -464,13 +471,7 @@ def test_steps_with_a_track_point_do_not_price_their_width(model, monkeypatch):
     it was, and the other steps refresh it."""
     import serving.speculative.steps as steps
 
-    shapes = {**SHAPES, "page_size": 8}
-    prompts = [list(range(1, 31)), list(range(40, 75))]
-    reference = [o.token_ids for o in LLM(model, **shapes).generate(prompts, GREEDY)]
-    truth = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
-    drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: p % 3 == 2)
-    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
-    llm = LLM(model, speculative=spec, drafter=drafter, enable_prefix_caching=True, **shapes)
+    llm, prompts, reference = _tracked_engine(model)
     curve, steps_seen = llm.runner.widths.curve, []
     observe, run = curve.observe, steps.Verifier.run
 
