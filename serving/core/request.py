@@ -31,17 +31,26 @@ def acceptance_ema(previous: float, rate: float) -> float:
 ALPHA_DECAY = 0.8
 
 
+# Trials a per-draft estimate's prior is worth unless the engine's requests are measured alike
+# (`AcceptancePool.weight`): a few windows outweigh it.
+PRIOR_TRIALS = 2.0
+
+
+def window_trials(accepted: int, drafts: int) -> float:
+    """A window's trials: one per accepted draft, and one for the draft that was rejected."""
+    return accepted + (1.0 if accepted < drafts else 0.0)
+
+
 def alpha_counts(hits: float, trials: float, accepted: int, drafts: int) -> tuple[float, float]:
     """(hits, trials) of a per-draft acceptance estimate after one more window that accepted
-    `accepted` of its `drafts` drafts: a trial per accepted draft, and one for the rejected."""
-    missed = 1.0 if accepted < drafts else 0.0
-    return ALPHA_DECAY * hits + accepted, ALPHA_DECAY * trials + accepted + missed
+    `accepted` of its `drafts` drafts."""
+    return ALPHA_DECAY * hits + accepted, ALPHA_DECAY * trials + window_trials(accepted, drafts)
 
 
-def alpha_estimate(hits: float, trials: float, prior: float) -> float:
+def alpha_estimate(hits: float, trials: float, prior: float, weight: float = PRIOR_TRIALS) -> float:
     """P(a draft is accepted | the one before it was): the truncated-geometric estimate
-    hits / trials with a prior worth two trials at `prior`, which a few windows outweigh."""
-    return (hits + 2.0 * prior) / (trials + 2.0)
+    hits / trials with a prior worth `weight` trials at `prior`."""
+    return (hits + weight * prior) / (trials + weight)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,9 +85,14 @@ class Request:
     # an EMA over the request's windows.
     spec_hits: float = 0.0
     spec_trials: float = 0.0
-    # The estimate's prior mean: the engine's recent acceptance when the request arrived
-    # (`policy.AcceptancePool`), so that a new request starts where the workload's are.
+    # The sum of the trials' squared decay weights: its trials count as trials**2 / this
+    # independent ones (the pool's test of whether requests differ).
+    spec_square: float = 0.0
+    # The estimate's prior: the engine's recent acceptance (`policy.AcceptancePool`), when
+    # the request arrived and after each of its windows, so that a new request starts where
+    # the workload's are; worth `spec_prior_weight` trials (more when requests measure alike).
     spec_prior: float = 0.5
+    spec_prior_weight: float = PRIOR_TRIALS
     # What a drafter keeps per request (its own record of drafts it judges apart: the n-gram
     # drafter's corpus table, the draft model's windows with lookup first).
     drafter_state: object = None
@@ -87,7 +101,9 @@ class Request:
     def spec_alpha(self) -> float:
         """P(a draft is accepted | the one before it was), from `spec_prior`: a new request
         starts where the engine's requests are (`alpha_estimate`)."""
-        return alpha_estimate(self.spec_hits, self.spec_trials, self.spec_prior)
+        return alpha_estimate(
+            self.spec_hits, self.spec_trials, self.spec_prior, self.spec_prior_weight
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -284,6 +284,40 @@ def test_pool_prior_and_shadow_record():
     assert rested.drafts(4, 0.1, 100, 0) == (0, 100, 0)  # no probe, however long it rested
 
 
+def _windows_at(policy, requests, alphas, rounds, seed=0):
+    """Record `rounds` windows of 4 drafts for each request in turn, each draft accepted with
+    its request's probability (given the one before was)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        for request, alpha in zip(requests, alphas, strict=True):
+            accepted = 0
+            while accepted < 4 and rng.random() < alpha:
+                accepted += 1
+            policy.record(request, accepted, 4)
+
+
+def test_pool_prior_is_worth_more_where_requests_draft_alike():
+    """Requests of one acceptance: their five-window estimates spread by noise alone, and the
+    pool's prior, worth up to MAX_PRIOR_TRIALS, holds each estimate near the truth. Requests
+    of two acceptances: the prior stays near two trials and each follows its own windows."""
+    from serving.core.policy import MAX_PRIOR_TRIALS, DraftPolicy
+
+    alike, policy = [Request(i, [1], SamplingParams()) for i in range(8)], DraftPolicy(by="alpha")
+    assert policy.pool.weight == 2.0  # before any window: the prior is 1.0, and cheap
+    _windows_at(policy, alike, [0.75] * 8, 60)
+    assert policy.pool.weight > 0.75 * MAX_PRIOR_TRIALS
+    assert all(r.spec_prior_weight == policy.pool.weight for r in alike)
+    raw = [r.spec_hits / r.spec_trials for r in alike]  # the five-window estimates alone
+    shrunk = [r.spec_alpha for r in alike]
+    assert max(abs(a - 0.75) for a in shrunk) < 0.06
+    assert np.std(shrunk) < 0.5 * np.std(raw)
+    differ, policy = [Request(i, [1], SamplingParams()) for i in range(8)], DraftPolicy(by="alpha")
+    _windows_at(policy, differ, [0.95, 0.3] * 4, 60)
+    assert policy.pool.weight < 3.0
+    assert np.mean([r.spec_alpha for r in differ[0::2]]) > 0.85
+    assert np.mean([r.spec_alpha for r in differ[1::2]]) < 0.5
+
+
 def test_costly_windows_and_failing_drafts_rest_the_requests(model, reference, monkeypatch):
     """Windows twice a plain step and drafts that always fail: the first requests of an
     engine (prior 1.0) verify a few windows until their alpha falls below the break-even,
