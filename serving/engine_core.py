@@ -89,7 +89,8 @@ class EngineCore:
         rows = self.runner.buckets.rows(len(output.decode))
         policy = self.scheduler.draft_policy
         threshold = widths.break_even(rows)
-        self.scheduler.draft_policy = dataclasses.replace(policy, min_acceptance=threshold)
+        if threshold != policy.min_acceptance:  # a copy is 10 us: most steps keep the prices
+            self.scheduler.draft_policy = dataclasses.replace(policy, min_acceptance=threshold)
 
     def apply(self, output: SchedulerOutput, result: StepResult, touched: list[str]) -> list[str]:
         """Apply a step's tokens (scheduler, logprobs, stop strings); the ids it advanced."""

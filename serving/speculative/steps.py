@@ -245,12 +245,13 @@ class Verifier:
         lookup, model, model_alphas = plan
         both = [a + m for a, m in zip(lookup, model, strict=True)]
         own = [ma if m else a for a, m, ma in zip(alphas, model, model_alphas, strict=True)]
-        alone = self.widths.best(alphas, lookup, b, lookup=True)
         if any(model):  # the model's windows, against the lookup rows alone
             choice = self.widths.best(own, both, b)
-            if choice[1] >= alone[1]:
+            # Lookup found nothing: its windows are none (a plain step, never better).
+            if not any(lookup) or choice[1] >= self.widths.best(alphas, lookup, b, True)[1]:
                 self._alphas = own
                 return choice[0], max_drafts
+        alone = self.widths.best(alphas, lookup, b, lookup=True)
         self._lookup = True
         return alone[0], [n if a else 0 for a, n in zip(lookup, max_drafts, strict=True)]
 

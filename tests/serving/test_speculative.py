@@ -700,6 +700,26 @@ def test_ngram_lookup_equals_its_reference():
         ), (tokens, k, max_n, min_n)
 
 
+def test_ngram_shadow_is_the_first_draft_of_any_room():
+    """The shadow (the lookup's first draft, where a row verifies nothing) reuses the step's
+    lookup: it must be the first draft at any room, and not a shorter context's."""
+    import types
+
+    from serving.speculative.ngram import NgramDrafter
+
+    rng = np.random.default_rng(1)
+    drafter = NgramDrafter(3, 2)
+    for trial in range(300):
+        tokens = rng.integers(0, 2 + trial % 5, size=int(rng.integers(0, 40))).tolist()
+        request = types.SimpleNamespace(request_id=str(trial % 3), all_token_ids=tokens)
+        first = ngram_lookup(tokens, 1, 3, 2)
+        drafter.propose_tokens(request, int(rng.integers(1, 9)))
+        if rng.random() < 0.3:  # the request grew since the lookup: its own lookup
+            tokens.append(int(rng.integers(0, 3)))
+            first = ngram_lookup(tokens, 1, 3, 2)
+        assert drafter.shadow(request) == (first[0] if first else None), tokens
+
+
 @pytest.mark.parametrize(
     ("spec", "match"),
     [

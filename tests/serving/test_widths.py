@@ -23,6 +23,8 @@ from serving.speculative.widths import (
     WINDOW,
     CostCurve,
     WidthPolicy,
+    _lowest_root,
+    _solve,
     candidate_widths,
     expected_tokens,
 )
@@ -184,6 +186,40 @@ def test_probe_width_is_the_first_to_pay():
     assert policy.break_even(4) == pytest.approx(
         min(a for a in np.linspace(0, 1, 100001) if expected_tokens(a, 4) >= 2.2), abs=1e-4
     )
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 8])
+def test_solve_finds_the_acceptance_of_a_ratio(width):
+    for ratio in np.linspace(1.01, width + 0.99, 37):
+        alpha = _solve(width, float(ratio))
+        assert 0.0 < alpha < 1.0 and expected_tokens(alpha, width) == pytest.approx(ratio)
+    assert _solve(width, 0.8) == 0.0 and _solve(width, width + 1.5) == 1.0
+
+
+def test_first_paying_width_skips_only_widths_that_cannot_pay_sooner():
+    """The break-even solves only widths whose lower bound could beat the best so far: the
+    answer is the plain minimum over every width's own solve (ties: the first width)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        widths = [int(w) for w in rng.choice([1, 2, 4, 8], n)]
+        ratios = [(w, float(r)) for w, r in zip(widths, rng.uniform(0.5, 10.0, n), strict=True)]
+        if rng.random() < 0.3:  # ties: a width repeated at the same price
+            ratios.append(ratios[0])
+        expected = min(((w, _solve(w, r)) for w, r in ratios), key=lambda x: x[1])
+        assert _lowest_root(ratios) == expected
+
+
+def test_prices_follow_the_curve_after_they_are_kept():
+    curve = CostCurve()
+    policy = WidthPolicy(4, curve)
+    curve.profile(0, 4, 1.0)
+    curve.profile(4, 4, 2.0)
+    assert policy.choose([0.9], [4], 4) == 4  # 4.1 tokens for 2 steps
+    for _ in range(MIN_LIVE):
+        curve.observe(4, 4, 5.0)  # live steps price the window far dearer
+    assert policy.choose([0.9], [4], 4) == 0
+    assert policy.break_even(4) == pytest.approx(_solve(4, 5.0), abs=1e-9)
 
 
 def test_alpha_estimate_follows_the_windows():
