@@ -288,6 +288,14 @@ class DraftModelDrafter(Drafter):
                 out.setdefault(int(slot), []).extend(hits[i, : max(n - 1, 0)].tolist())
         return {slot: h for slot, h in out.items() if h}
 
+    def padding_lag(self, batch):
+        ids = np.zeros((int(batch.slots.shape[0]), 1), np.int32)
+        self.cache, hits = write_lag(self.graphdef, self.params, ids, self.cache, batch)
+        return hits
+
+    def starts_rest(self, slots) -> bool:
+        return not all(self.lag.pending(s) for s in slots)
+
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None
         self._tree, self._lag_hits = None, []

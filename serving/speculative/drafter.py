@@ -183,6 +183,15 @@ class Drafter:
         `lookup_first`); returns what to wait for, None for host drafters."""
         return None
 
+    def padding_lag(self, batch):
+        """A lag pass of one token on padding rows (the cost profile): what a row that rested
+        costs when it drafts again; None for drafters that keep no lag."""
+        return None
+
+    def starts_rest(self, slots) -> bool:
+        """Whether resting a row of these slots would start a lag (a lag pass later)."""
+        return False
+
     def reset(self) -> None:
         """Empty every slot and page (the engine rebuilt the target's caches after a fault)."""
 

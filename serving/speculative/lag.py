@@ -43,6 +43,9 @@ class Lag:
         pending.tokens.append(int(token))
         pending.pages = pages
 
+    def pending(self, slot: int) -> bool:
+        return int(slot) in self._by_slot
+
     def full(self, slot: int) -> bool:
         pending = self._by_slot.get(int(slot))
         return pending is not None and len(pending.tokens) >= MAX_LAG

@@ -35,7 +35,7 @@ from serving.core.step_result import StepResult, host_samples, sample_mode
 from serving.speculative.draftless import decode_until_recurs
 from serving.speculative.tree_verify import verify_tree_step
 from serving.speculative.verify import verify_step
-from serving.speculative.widths import WidthPolicy, window_key
+from serving.speculative.widths import WidthPolicy, time_rounds, window_key
 
 # Smallest width of the token history a draftless run checks for recurrence (`_until_recurs`).
 MIN_HISTORY = 256
@@ -69,6 +69,7 @@ class Verifier:
         self.draftless_runs = True
         self._lookup = False  # cost-aware widths: this step's window is of lookup drafts alone
         self._alphas: list[float] = []  # and the acceptance its width is chosen on, per row
+        self._rest = 0.0  # and what resting the model's rows costs later (`WidthPolicy.best`)
 
     def run(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device.
@@ -241,19 +242,27 @@ class Verifier:
         self._lookup, alphas = False, self._alphas
         plan = self.drafter.plan(output.decode, max_drafts)
         if plan is None:
-            return self.widths.choose(alphas, max_drafts, b), max_drafts
+            rest = self._rest = self._rest_price(output, max_drafts, b)
+            return self.widths.choose(alphas, max_drafts, b, rest=rest), max_drafts
         lookup, model, model_alphas = plan
         both = [a + m for a, m in zip(lookup, model, strict=True)]
         own = [ma if m else a for a, m, ma in zip(alphas, model, model_alphas, strict=True)]
+        rest = self._rest = self._rest_price(output, model, b)
+        # Lookup windows alone, with the model's rows resting; none where lookup found nothing.
+        alone = self.widths.best(alphas, lookup, b, True, rest) if any(lookup) else (0, 0.0)
         if any(model):  # the model's windows, against the lookup rows alone
-            choice = self.widths.best(own, both, b)
-            # Lookup found nothing: its windows are none (a plain step, never better).
-            if not any(lookup) or choice[1] >= self.widths.best(alphas, lookup, b, True)[1]:
+            choice = self.widths.best(own, both, b, rest=rest)
+            if choice[1] >= alone[1]:
                 self._alphas = own
                 return choice[0], max_drafts
-        alone = self.widths.best(alphas, lookup, b, lookup=True)
         self._lookup = True
         return alone[0], [n if a else 0 for a, n in zip(lookup, max_drafts, strict=True)]
+
+    def _rest_price(self, output: SchedulerOutput, drafting, b: int) -> float:
+        """The lag pass that resting the rows with `drafting` drafts would start (0: none)."""
+        rows = zip(output.decode, drafting, strict=True)
+        slots = [output.placement[r.request_id].slot for r, n in rows if n]
+        return self.widths.rest_price(b) if slots and self.drafter.starts_rest(slots) else 0.0
 
     @staticmethod
     def _probing(output: SchedulerOutput) -> list[bool]:
@@ -266,7 +275,7 @@ class Verifier:
         if not num.any():  # a plain step (or a track point's alone): no width to choose
             return 0, drafts, num
         n = len(output.decode)
-        w = self.widths.choose(self._alphas, num[:n].tolist(), b, lookup=self._lookup)
+        w = self.widths.choose(self._alphas, num[:n].tolist(), b, self._lookup, self._rest)
         if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):
             w = int(num.max())
             w = next(c for c in self.widths.widths if c >= w)
@@ -302,7 +311,11 @@ class Verifier:
                 for lookup in kinds
                 for w in (0, *self.widths.widths)
             }
-            for key, seconds in _rounds(calls, repeats).items():
+            if self.drafter.padding_lag(batch) is not None:  # a draft model's lag pass
+                calls["lag"] = functools.partial(self.drafter.padding_lag, batch)
+            timed = time_rounds(calls, repeats)
+            self.widths.lag[b] = timed.pop("lag", 0.0)
+            for key, seconds in timed.items():
                 self.widths.curve.profile(key, b, seconds)
             for w in (-1, *self.widths.widths):  # -1: a step where only a track point verifies
                 jax.block_until_ready(self._padding_step(w, batch, sampling, track=True))
@@ -422,18 +435,3 @@ class Verifier:
         rows = host_samples(picked, list(requests), mode)
         samples = {r.request_id: row[: steps[i]] for i, (r, row) in enumerate(zip(requests, rows))}
         return samples, steps
-
-
-def _rounds(calls: dict, repeats: int) -> dict:
-    """Each call's median time over `repeats` rounds that run every call once in turn, after
-    a compiling round and a warm one."""
-    for _ in range(2):
-        for call in calls.values():
-            jax.block_until_ready(call())
-    times: dict = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times[key].append(time.perf_counter() - t0)
-    return {key: float(np.median(t)) for key, t in times.items()}

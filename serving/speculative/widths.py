@@ -27,7 +27,10 @@ import bisect
 import collections
 import math
 import statistics
+import time
 from collections.abc import Sequence
+
+import jax
 
 # A live point is the median of its last this many steps: it follows a change of load within
 # a few steps, and one slow step (a CPU shared with others, a collection) does not move it. An
@@ -164,6 +167,15 @@ class WidthPolicy:
         self.curve = curve or CostCurve()
         self._cache: dict = {}  # at the curve's `version`: (rows, lookup) -> `_priced`
         self._version = None
+        # Batch rows -> seconds of a draft model's lag pass of one token (profiled): what a
+        # row that starts to rest costs when it drafts again (`best`'s `rest`).
+        self.lag: dict[int, float] = {}
+
+    def rest_price(self, rows: int) -> float:
+        """A one-token lag pass at `rows` (the nearest profiled batch; 0 if none)."""
+        if not self.lag:
+            return 0.0
+        return self.lag[min(self.lag, key=lambda b: (abs(b - rows), b))]
 
     def _priced(self, rows: int, lookup: bool = False) -> list[tuple[int, float]]:
         """(width, cost) for width 0 and every candidate width the curve prices (of lookup
@@ -180,20 +192,35 @@ class WidthPolicy:
         return priced
 
     def choose(
-        self, alphas: Sequence[float], available: Sequence[int], rows: int, lookup: bool = False
+        self,
+        alphas: Sequence[float],
+        available: Sequence[int],
+        rows: int,
+        lookup: bool = False,
+        rest: float = 0.0,
     ) -> int:
         """The width maximising expected tokens per second over the step's requests (alpha
         and drafts available each); the widest when the curve prices no plain step yet."""
-        return self.best(alphas, available, rows, lookup)[0]
+        return self.best(alphas, available, rows, lookup, rest)[0]
 
     def best(
-        self, alphas: Sequence[float], available: Sequence[int], rows: int, lookup: bool = False
+        self,
+        alphas: Sequence[float],
+        available: Sequence[int],
+        rows: int,
+        lookup: bool = False,
+        rest: float = 0.0,
     ) -> tuple[int, float]:
         """(width, expected tokens per second) of `choose`'s width (rate inf: unpriced): the
-        best rate, or an unsettled width near it (`EXPLORE`)."""
+        best rate, or an unsettled width near it (`EXPLORE`). `rest`: seconds that resting
+        the draft model's rows costs later (a lag pass when they draft again), added to every
+        width at which they rest: the plain step, and with `lookup` every window (lookup
+        windows alone rest the model's rows)."""
         priced = self._priced(rows, lookup)
         if not priced or priced[0][0] != 0:
             return self.widths[-1], float("inf")
+        if rest:
+            priced = [(w, c + rest) if lookup or w == 0 else (w, c) for w, c in priced]
         pairs = list(zip(alphas, available, strict=True))
         rated = [(w, sum(expected_tokens(a, min(w, n)) for a, n in pairs) / c) for w, c in priced]
         top = max(rated, key=lambda x: x[1])
@@ -267,3 +294,18 @@ def _solve(width: int, ratio: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_tokens(mid, width) < ratio else (lo, mid)
     return hi
+
+
+def time_rounds(calls: dict, repeats: int) -> dict:
+    """Each call's median time (the profile of the curve) over `repeats` rounds that run every
+    call once in turn, after a compiling round and a warm one."""
+    for _ in range(2):
+        for call in calls.values():
+            jax.block_until_ready(call())
+    times: dict = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}

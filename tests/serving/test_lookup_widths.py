@@ -46,23 +46,33 @@ def test_lookup_windows_are_priced_apart():
 
 
 class _Plan:
-    """A drafter stand-in that plans fixed (lookup, model, model acceptance) per row."""
+    """A drafter stand-in that plans fixed (lookup, model, model acceptance) per row; the
+    slots in `lagging` already have a lag (resting them again starts none)."""
 
-    def __init__(self, lookup, model, model_alphas):
+    def __init__(self, lookup, model, model_alphas, lagging=()):
         self.lookup, self.model, self.model_alphas = lookup, model, model_alphas
+        self.lagging = set(lagging)
 
     def plan(self, requests, max_drafts):
         return self.lookup, self.model, self.model_alphas
 
+    def starts_rest(self, slots):
+        return not set(slots) <= self.lagging
 
-def _planned(lookup, model, model_costs, alphas, model_alphas=None):
+
+def _planned(lookup, model, model_costs, alphas, model_alphas=None, lag=0.0, lagging=()):
+    """(width, room, lookup windows alone) that `Verifier._planned` chooses, row i in slot i,
+    with a one-token lag pass of `lag` seconds (the curve's plain step: 1)."""
     model_alphas = alphas if model_alphas is None else model_alphas
+    widths = WidthPolicy(4, _curve(model_costs))
+    widths.lag = {4: lag}
     verifier = types.SimpleNamespace(
-        drafter=_Plan(lookup, model, model_alphas),
-        widths=WidthPolicy(4, _curve(model_costs)),
-        _alphas=alphas,
+        drafter=_Plan(lookup, model, model_alphas, lagging), widths=widths, _alphas=alphas
     )
-    output = types.SimpleNamespace(decode=[None] * len(lookup))
+    verifier._rest_price = types.MethodType(Verifier._rest_price, verifier)
+    rows = [types.SimpleNamespace(request_id=str(i)) for i in range(len(lookup))]
+    placement = {r.request_id: types.SimpleNamespace(slot=i) for i, r in enumerate(rows)}
+    output = types.SimpleNamespace(decode=rows, placement=placement)
     w, room = Verifier._planned(verifier, output, [4] * len(lookup), 4)
     return w, room, verifier._lookup
 
@@ -92,6 +102,24 @@ def test_plan_judges_the_models_rows_by_the_models_acceptance():
     assert _planned([0], [2], dearer, [1.0], [0.05])[0] == 0
     # The other way round: a request whose lookup misses, a model that holds.
     assert _planned([0], [2], dearer, [0.05], [1.0]) == (2, [4], False)
+
+
+def test_resting_the_models_rows_is_priced_with_the_lag_pass_it_starts():
+    """A row whose model rests gathers a lag, written by a pass when it drafts again. At the
+    model's acceptance 0.5 its 2-draft window (1.75 tokens for 1.8 steps) just loses to a
+    plain step; with the pass resting would start (0.1 of a step) it pays: 1.75 / 1.8 >
+    1 / 1.1. A row that lags already starts no pass: a plain step again."""
+    near = {1: 1.6, 2: 1.8, 4: 2.6}
+    assert _planned([0], [2], near, [1.0], [0.5])[0] == 0
+    assert _planned([0], [2], near, [1.0], [0.5], lag=0.1) == (2, [4], False)
+    assert _planned([0], [2], near, [1.0], [0.5], lag=0.1, lagging=[0])[0] == 0
+    # Lookup windows alone rest the model's row too, so every one of them is charged the
+    # pass. Row 0 found 1 lookup draft (always accepted), row 1 would draft by the model:
+    # lookup alone makes 3 tokens for 1.1 steps (2.73 a step), the model's 1-draft window
+    # for both 3.5 for 1.6 (2.19); charged 0.3, lookup alone makes 3 / 1.4 = 2.14.
+    both = ([1, 0], [0, 2], near, [1.0, 1.0], [1.0, 0.5])
+    assert _planned(*both) == (1, [4, 0], True)
+    assert _planned(*both, lag=0.3) == (1, [4, 4], False)
 
 
 @pytest.fixture(scope="module")

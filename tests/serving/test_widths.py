@@ -196,6 +196,20 @@ def test_solve_finds_the_acceptance_of_a_ratio(width):
     assert _solve(width, 0.8) == 0.0 and _solve(width, width + 1.5) == 1.0
 
 
+def test_rest_is_charged_where_the_models_rows_rest():
+    """`rest` (the lag pass that resting the model's rows starts) is added to the plain step
+    on the model's curve, and to every width on the lookup windows' (they rest it too)."""
+    policy = WidthPolicy(4, _curve(1.0, {1: 1.6, 2: 1.8, 4: 2.6}))
+    assert policy.choose([0.5], [4], 4) == 0  # 1.75 tokens for 1.8 steps: plain pays more
+    assert policy.choose([0.5], [4], 4, rest=0.1) == 2  # against 1 / 1.1
+    assert policy.best([0.5], [4], 4, rest=0.1)[1] == pytest.approx(1.75 / 1.8)
+    policy.curve.seconds = {**policy.curve.seconds, (("lookup", 1), 4): 1.5}
+    assert policy.best([1.0], [1], 4, lookup=True, rest=0.5) == (1, pytest.approx(2 / 2.0))
+    assert policy.rest_price(4) == 0.0  # nothing profiled
+    policy.lag = {1: 0.1, 8: 0.3}
+    assert (policy.rest_price(2), policy.rest_price(6)) == (0.1, 0.3)  # the nearest batch
+
+
 def test_first_paying_width_skips_only_widths_that_cannot_pay_sooner():
     """The break-even solves only widths whose lower bound could beat the best so far: the
     answer is the plain minimum over every width's own solve (ties: the first width)."""
@@ -286,6 +300,7 @@ def test_start_up_profile_prices_every_width(model, reference):
     seconds = llm.runner.widths.curve.profiled
     assert set(seconds) == set(itertools.product((0, 1, 2, 4), (4,)))  # every bucket: (4,)
     assert all(s > 0 for s in seconds.values())
+    assert llm.runner.widths.lag == {4: 0.0}  # a host drafter keeps no lag: resting is free
     policy = llm.scheduler.draft_policy
     assert policy.by == "alpha" and policy.min_acceptance == llm.runner.widths.break_even(1)
 
@@ -470,6 +485,9 @@ def test_draft_model_scores_resting_drafts_in_its_lag_pass(model, monkeypatch):
 
     spec = {"method": "draft_model", "num_draft_tokens": 4, "model": model}
     llm = LLM(model, speculative={**spec, "width_policy": "cost"}, **SHAPES)
+    # The profile timed a lag pass of one token (on padding rows: the shadows below are
+    # still the forward's, so it wrote nothing of a request's).
+    assert llm.runner.widths.lag[4] > 0
     llm.runner.widths.curve = _curve(1.0, {1: 10.0, 2: 10.0, 4: 10.0})  # no window pays
     recorded = collections.defaultdict(list)
     update = llm.scheduler.update
