@@ -96,6 +96,7 @@ class DraftModelDrafter(Drafter):
         self._tree = None  # the last tree window: (chain [B, D], lookup rows, batch, topk)
         self.lag = Lag()
         self._lag_hits: list = []
+        self.lag_passes = 0  # lag passes written (a step that wrote one is not a price)
 
     def prefill(self, ids, batch, fresh_slots, has_prefix: bool) -> None:
         self.lag.drop(fresh_slots)
@@ -271,6 +272,7 @@ class DraftModelDrafter(Drafter):
         if work is not None:
             ids, lag = work
             self.cache, hits = write_lag(self.graphdef, self.params, ids, self.cache, lag)
+            self.lag_passes += 1
             if self.keep_shadows:  # cost-aware widths: `take_shadows` drains them
                 self._lag_hits.append((lag.slots, lag.lengths, hits))
 

@@ -188,6 +188,9 @@ class Drafter:
         costs when it drafts again; None for drafters that keep no lag."""
         return None
 
+    # Lag passes written so far (a draft model's): a step that wrote one prices no width.
+    lag_passes: int = 0
+
     def starts_rest(self, slots) -> bool:
         """Whether resting a row of these slots would start a lag (a lag pass later)."""
         return False

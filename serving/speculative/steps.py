@@ -70,12 +70,13 @@ class Verifier:
         self._lookup = False  # cost-aware widths: this step's window is of lookup drafts alone
         self._alphas: list[float] = []  # and the acceptance its width is chosen on, per row
         self._rest = 0.0  # and what resting the model's rows costs later (`WidthPolicy.best`)
+        self._passes = 0  # the drafter's lag passes when the step began (`_prices`)
 
     def run(self, output: SchedulerOutput, result: StepResult) -> None:
         """Speculative decode: drafts, then one verify window per row, accepted on device.
         With cost-aware widths (`self.widths`), the window is as wide as pays (maybe none),
         and the step's time refreshes the cost curve."""
-        t0 = time.perf_counter()
+        t0, self._passes = time.perf_counter(), self.drafter.lag_passes
         requests = output.decode
         b, batch = self.buckets.batch([output.placement[r.request_id] for r in requests])
         last = np.zeros(b, np.int32)
@@ -121,12 +122,20 @@ class Verifier:
         if parents is None:
             self.drafter.verified(requests, commit_lens[:n] - 1, num[:n])
         self._score(output, shadows, result)
-        # A step with a track point runs another program (the snapshot's: 10-15% more a
-        # window, and a one-token window where no row drafted): priced as the width's or
-        # a plain step's, it made plain steps look dearer than windows where they were rare.
-        if self.widths is not None and not output.track:
+        if self._prices(output):
             key = window_key(int(drafts.shape[1]), self._lookup)
             self.widths.curve.observe(key, b, time.perf_counter() - t0)
+
+    def _prices(self, output: SchedulerOutput) -> bool:
+        """Whether this step's time is its width's price. Not with a track point: it runs
+        another program (the snapshot's: 10-15% more a window, and a one-token window where
+        no row drafted), and priced as the width's or a plain step's, it made plain steps
+        look dearer than windows where they were rare. Nor where the draft wrote a lag: the
+        pass is the price of the rest that started it (`WidthPolicy.best`'s `rest`), and in
+        the window that ends a rest it made the model's windows look dearer, so the model
+        rested more (a 2-draft window read 3-6.4 ms from one run to the next)."""
+        fresh = self.drafter.lag_passes == self._passes
+        return self.widths is not None and not output.track and fresh
 
     def _shadows(self, output: SchedulerOutput, num) -> dict:
         """Under cost-aware widths, with a drafter that shadows: the shadow draft of each
@@ -386,7 +395,7 @@ class Verifier:
         self.counts["verify_rows"] += int(steps[: len(requests)].sum())
         for r in requests:
             result.num_drafts[r.request_id] = 0
-        if self.widths is not None:  # per plain step: a run's steps are each one
+        if self._prices(output):  # per plain step: a run's steps are each one
             seconds = (time.perf_counter() - t0) / max(int(steps.max()), 1)
             self.widths.curve.observe(0, int(batch.slots.shape[0]), seconds)
 

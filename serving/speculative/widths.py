@@ -47,6 +47,11 @@ OUTLIER = 5.0
 # a guess that is too high is otherwise never corrected. At B = 8 the profile put a window of
 # 1 draft at the price of one of 2, where it ran 20% cheaper, and one of 4 above one of 8.
 EXPLORE = 0.9
+# A live point not observed in this many steps (of any width) is priced as a guess again (its
+# profile plus host) and its old steps are dropped when it is next chosen: a point priced
+# high in a slow spell was otherwise never chosen again, so never corrected. With lookup first
+# a 2-draft window read 3-6.4 ms from one run to the next, and the model rested at 6.4.
+STALE = 64
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:
@@ -93,6 +98,8 @@ class CostCurve:
         # Moves whenever a price may have: the policy's prices of a step are computed once
         # for it (`WidthPolicy._priced`), not once a question (five a step at B = 1).
         self.version = 0
+        self._clock = 0  # live steps observed, of every point
+        self._last: dict[tuple[int, int], int] = {}  # the clock at each point's last step
 
     @property
     def seconds(self) -> dict[tuple[int, int], float]:
@@ -113,12 +120,19 @@ class CostCurve:
         estimate = self.cost(width, rows)
         if estimate is not None and seconds > OUTLIER * estimate:
             return
-        recent = self._recent.setdefault((width, rows), collections.deque(maxlen=WINDOW))
+        key, self._clock = (width, rows), self._clock + 1
+        recent = self._recent.setdefault(key, collections.deque(maxlen=WINDOW))
+        if self._stale(key):
+            recent.clear()
         recent.append(seconds)
+        self._last[key] = self._clock
         median = statistics.median(recent)
-        if self._seconds.get((width, rows)) != median or len(recent) <= MIN_LIVE:
-            self._seconds[width, rows] = median
-            self.version += 1  # half the steps leave their point's median where it was
+        # Half the steps leave their point's median where it was; a point turning stale
+        # moves its price back to the guess.
+        turned = any(self._clock - t == STALE + 1 for t in self._last.values())
+        if self._seconds.get(key) != median or len(recent) <= MIN_LIVE or turned:
+            self._seconds[key] = median
+            self.version += 1
 
     def cost(self, width: int, rows: int) -> float | None:
         live = _interpolate(self.seconds, width, rows)
@@ -135,7 +149,12 @@ class CostCurve:
 
     def _measured(self, width: int, rows: int) -> bool:
         recent = self._recent.get((width, rows))
-        return recent is None or len(recent) >= MIN_LIVE  # None: set directly (a pinned curve)
+        if recent is None:  # set directly (a pinned curve)
+            return True
+        return len(recent) >= MIN_LIVE and not self._stale((width, rows))
+
+    def _stale(self, key) -> bool:
+        return key in self._last and self._clock - self._last[key] > STALE
 
     def _host(self, rows: int) -> float:
         """The host's part of a step at `rows`: a live plain step less its profile."""

@@ -20,6 +20,7 @@ from serving.engine import LLM
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.widths import (
     MIN_LIVE,
+    STALE,
     WINDOW,
     CostCurve,
     WidthPolicy,
@@ -194,6 +195,49 @@ def test_solve_finds_the_acceptance_of_a_ratio(width):
         alpha = _solve(width, float(ratio))
         assert 0.0 < alpha < 1.0 and expected_tokens(alpha, width) == pytest.approx(ratio)
     assert _solve(width, 0.8) == 0.0 and _solve(width, width + 1.5) == 1.0
+
+
+def test_a_point_not_stepped_for_long_is_a_guess_again():
+    """A width priced high in a slow spell and then never chosen is priced as a guess again
+    after STALE steps of other widths (so `EXPLORE` may try it), and its old steps do not
+    count when it is stepped again."""
+    curve = CostCurve()
+    policy = WidthPolicy(4, curve)
+    for w, c in {0: 1.0, 1: 1.5, 2: 1.6, 4: 3.0}.items():
+        curve.profile(w, 4, c)
+    for _ in range(MIN_LIVE):
+        curve.observe(0, 4, 1.0)
+        curve.observe(2, 4, 4.0)  # a slow spell
+    assert policy.choose([0.6], [4], 4) == 1  # 2 drafts now dearer than 1 (4.0 a step)
+    for _ in range(STALE):
+        curve.observe(1, 4, 1.5)
+    assert curve.settled(2, 4) and curve.cost(2, 4) == 4.0
+    curve.observe(0, 4, 1.0)  # the 2-draft point's last step is STALE + 1 steps ago
+    assert not curve.settled(2, 4) and curve.cost(2, 4) == pytest.approx(1.6)
+    assert policy.choose([0.6], [4], 4) == 2  # priced (1.96 / 1.6) over 1 (1.6 / 1.5)
+    for _ in range(MIN_LIVE):
+        curve.observe(2, 4, 1.7)
+    assert curve.cost(2, 4) == pytest.approx(1.7)  # the slow spell's steps are gone
+
+
+def test_a_step_that_wrote_a_lag_prices_no_width():
+    """The lag pass is the price of the rest that started it (`rest`): a step in which the
+    draft wrote one (the window that ends a rest, a full lag) does not refresh the curve;
+    nor a step with a track point (another program), nor fixed widths."""
+    import types
+
+    from serving.speculative.steps import Verifier
+
+    drafter = types.SimpleNamespace(lag_passes=3)
+    verifier = types.SimpleNamespace(widths=WidthPolicy(4), drafter=drafter, _passes=3)
+    quiet = types.SimpleNamespace(track={})
+    assert Verifier._prices(verifier, quiet)
+    drafter.lag_passes = 4
+    assert not Verifier._prices(verifier, quiet)
+    verifier._passes = 4
+    assert not Verifier._prices(verifier, types.SimpleNamespace(track={"r": 0}))
+    verifier.widths = None
+    assert not Verifier._prices(verifier, quiet)
 
 
 def test_rest_is_charged_where_the_models_rows_rest():
