@@ -252,7 +252,7 @@ class Verifier:
         plan = self.drafter.plan(output.decode, max_drafts)
         if plan is None:
             rest = self._rest = self._rest_price(output, max_drafts, b)
-            return self.widths.choose(alphas, max_drafts, b, rest=rest), max_drafts
+            return self.widths.best(alphas, max_drafts, b, rest=rest)[0], max_drafts
         lookup, model, model_alphas = plan
         both = [a + m for a, m in zip(lookup, model, strict=True)]
         own = [ma if m else a for a, m, ma in zip(alphas, model, model_alphas, strict=True)]
@@ -284,7 +284,7 @@ class Verifier:
         if not num.any():  # a plain step (or a track point's alone): no width to choose
             return 0, drafts, num
         n = len(output.decode)
-        w = self.widths.choose(self._alphas, num[:n].tolist(), b, self._lookup, self._rest)
+        w = self.widths.best(self._alphas, num[:n].tolist(), b, self._lookup, self._rest)[0]
         if w == 0 and any(p and num[i] for i, p in enumerate(self._probing(output))):
             w = int(num.max())
             w = next(c for c in self.widths.widths if c >= w)

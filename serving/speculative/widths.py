@@ -211,16 +211,11 @@ class WidthPolicy:
         return priced
 
     def choose(
-        self,
-        alphas: Sequence[float],
-        available: Sequence[int],
-        rows: int,
-        lookup: bool = False,
-        rest: float = 0.0,
+        self, alphas: Sequence[float], available: Sequence[int], rows: int, lookup: bool = False
     ) -> int:
         """The width maximising expected tokens per second over the step's requests (alpha
         and drafts available each); the widest when the curve prices no plain step yet."""
-        return self.best(alphas, available, rows, lookup, rest)[0]
+        return self.best(alphas, available, rows, lookup)[0]
 
     def best(
         self,

@@ -245,7 +245,7 @@ def test_rest_is_charged_where_the_models_rows_rest():
     on the model's curve, and to every width on the lookup windows' (they rest it too)."""
     policy = WidthPolicy(4, _curve(1.0, {1: 1.6, 2: 1.8, 4: 2.6}))
     assert policy.choose([0.5], [4], 4) == 0  # 1.75 tokens for 1.8 steps: plain pays more
-    assert policy.choose([0.5], [4], 4, rest=0.1) == 2  # against 1 / 1.1
+    assert policy.best([0.5], [4], 4, rest=0.1)[0] == 2  # against 1 / 1.1
     assert policy.best([0.5], [4], 4, rest=0.1)[1] == pytest.approx(1.75 / 1.8)
     policy.curve.seconds = {**policy.curve.seconds, (("lookup", 1), 4): 1.5}
     assert policy.best([1.0], [1], 4, lookup=True, rest=0.5) == (1, pytest.approx(2 / 2.0))
