@@ -122,7 +122,9 @@ def decode_rates(
 ) -> dict[str, dict]:
     """Per engine: decode tok/s over the prompts (the fastest 1- and n-token runs of each, the
     engines taking turns prompt by prompt, one untimed round first), the n-token runs' tokens
-    and counters summed, and ``delta``: each counter of the n-token runs less the 1-token ones."""
+    and counters summed, ``delta``: each counter of the n-token runs less the 1-token ones, and
+    ``round_decode_s``: per timed round, the n-token runs' wall less the 1-token ones' (the
+    rounds of all engines ran side by side, so a ratio per round pairs like with like)."""
     fns = {
         (name, i, m): functools.partial(generate_run, llm, p, m, timer)
         for i, p in enumerate(prompts)
@@ -141,6 +143,13 @@ def decode_rates(
         rec["decode_tok_s"] = rows * (n - 1) / rec["delta"]["wall"]
         rec["tokens"] = [r["tokens"] for r in last]
         rec["rows"], rec["new_tokens"] = rows, rows * n
+        rec["round_decode_s"] = [
+            sum(
+                runs[(name, i, n)].results[r]["wall"] - runs[(name, i, 1)].results[r]["wall"]
+                for i in range(len(prompts))
+            )
+            for r in range(rounds)
+        ]
         out[name] = rec
     return out
 
