@@ -52,6 +52,11 @@ EXPLORE = 0.9
 # high in a slow spell was otherwise never chosen again, so never corrected. With lookup first
 # a 2-draft window read 3-6.4 ms from one run to the next, and the model rested at 6.4.
 STALE = 64
+# A stale point whose steps priced it again within this share of its old price was right:
+# its horizon doubles (up to STALE_MAX steps), so that a settled curve stops paying for the
+# re-tries. At B = 8 a run of 64 tokens is about 60 steps of the curve, and every width near
+# the best was re-tried each run (17 windows a run where fixed STALE-free choice ran 10).
+CONFIRMED, STALE_MAX = 0.9, 16 * STALE
 
 
 def expected_tokens(alpha: float, drafts: int) -> float:
@@ -100,6 +105,8 @@ class CostCurve:
         self.version = 0
         self._clock = 0  # live steps observed, of every point
         self._last: dict[tuple[int, int], int] = {}  # the clock at each point's last step
+        self._horizon: dict[tuple[int, int], int] = {}  # steps until a point is stale
+        self._before: dict[tuple[int, int], float] = {}  # a stale point's last price
 
     @property
     def seconds(self) -> dict[tuple[int, int], float]:
@@ -123,13 +130,16 @@ class CostCurve:
         key, self._clock = (width, rows), self._clock + 1
         recent = self._recent.setdefault(key, collections.deque(maxlen=WINDOW))
         if self._stale(key):
+            self._before[key] = self._seconds[key]
             recent.clear()
         recent.append(seconds)
         self._last[key] = self._clock
         median = statistics.median(recent)
+        if len(recent) == MIN_LIVE and key in self._before:
+            self._confirm(key, median)
         # Half the steps leave their point's median where it was; a point turning stale
         # moves its price back to the guess.
-        turned = any(self._clock - t == STALE + 1 for t in self._last.values())
+        turned = any(self._clock - t == self._horizon_of(k) + 1 for k, t in self._last.items())
         if self._seconds.get(key) != median or len(recent) <= MIN_LIVE or turned:
             self._seconds[key] = median
             self.version += 1
@@ -141,7 +151,7 @@ class CostCurve:
         profiled = _interpolate(self.profiled, width, rows)
         if profiled is None:
             return live
-        return profiled + self._host(rows)
+        return profiled + self._host(width, rows)
 
     def settled(self, width, rows: int) -> bool:
         """Whether the live steps price this point (a pinned curve: always)."""
@@ -154,10 +164,42 @@ class CostCurve:
         return len(recent) >= MIN_LIVE and not self._stale((width, rows))
 
     def _stale(self, key) -> bool:
-        return key in self._last and self._clock - self._last[key] > STALE
+        return key in self._last and self._clock - self._last[key] > self._horizon_of(key)
 
-    def _host(self, rows: int) -> float:
-        """The host's part of a step at `rows`: a live plain step less its profile."""
+    def _horizon_of(self, key) -> int:
+        return self._horizon.get(key, STALE)
+
+    def _confirm(self, key, price: float) -> None:
+        """A stale point priced again: its horizon doubles where its old price held (it
+        was not high), and is STALE again where the point turned out cheaper."""
+        held = price >= CONFIRMED * self._before.pop(key)
+        self._horizon[key] = min(2 * self._horizon_of(key), STALE_MAX) if held else STALE
+
+    def _host(self, width, rows: int) -> float:
+        """The host's part of a step at `rows` that its profile leaves out: the plain step's
+        (live less profiled), or for a window, where two or more windows of its kind are
+        priced live at `rows`, the least that any of them runs over its profile. A window's
+        host work (drafting, judging every row) is more than a plain step's: at B = 8 the
+        windows ran 6-9 ms over their profiles and the plain step under its own, so every
+        unpriced or stale width looked worth trying. The least, and two at least, since a
+        guess should err low: one that is low is tried and corrected, one that is high never
+        is (one window's slow spell would price every other width out)."""
+        plain = self._plain_host(rows)
+        if width == 0:
+            return plain
+        kind = isinstance(width, tuple)
+        over = [
+            self._seconds[w, b] - self.profiled[w, b]
+            for w, b in self._seconds
+            if b == rows
+            and w != 0
+            and isinstance(w, tuple) == kind
+            and (w, b) in self.profiled
+            and self._measured(w, b)
+        ]
+        return max(min(over), plain) if len(over) >= 2 else plain
+
+    def _plain_host(self, rows: int) -> float:
         live, profiled = _interpolate(self.seconds, 0, rows), _interpolate(self.profiled, 0, rows)
         if live is None or profiled is None:
             return 0.0

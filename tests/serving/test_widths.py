@@ -21,6 +21,7 @@ from serving.speculative.oracle import OracleDrafter
 from serving.speculative.widths import (
     MIN_LIVE,
     STALE,
+    STALE_MAX,
     WINDOW,
     CostCurve,
     WidthPolicy,
@@ -28,6 +29,7 @@ from serving.speculative.widths import (
     _solve,
     candidate_widths,
     expected_tokens,
+    window_key,
 )
 
 PROMPTS = [list(range(1, 6)), list(range(10, 30)), list(range(40, 51))]
@@ -141,6 +143,55 @@ def test_profiled_points_carry_the_host_part_of_the_live_plain_step():
     curve.observe(1, 4, 2.5)
     curve.observe(1, 4, 2.5)  # MIN_LIVE steps: measured live, its own price
     assert curve.cost(1, 4) == 2.5
+
+
+def test_a_guessed_window_carries_the_host_part_the_live_windows_show():
+    """A window's host work (drafting, judging each row) is more than a plain step's: a
+    window still guessed is priced at its profile plus the least that two or more live
+    windows of its kind run over theirs, a lookup window by lookup windows; the plain step's
+    part where fewer are live (one slow window does not price the others out)."""
+    curve = CostCurve()
+    profiles = {0: 1.0, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.5, window_key(2, True): 1.2}
+    for key, c in profiles.items():
+        curve.profile(key, 4, c)
+    for key, live in {0: 1.1, 1: 1.8}.items():
+        for _ in range(MIN_LIVE):
+            curve.observe(key, 4, live)
+    assert curve.cost(4, 4) == pytest.approx(2.4 + 0.1)  # one live window: the plain's part
+    for _ in range(MIN_LIVE):
+        curve.observe(2, 4, 2.05)  # windows 0.3 and 0.25 over their profiles, plain 0.1
+    assert curve.cost(4, 4) == pytest.approx(2.4 + 0.25)
+    assert curve.cost(8, 4) == pytest.approx(3.5 + 0.25)
+    assert curve.cost(window_key(2, True), 4) == pytest.approx(1.2 + 0.1)  # no live lookup
+    for _ in range(MIN_LIVE):  # once 4 drafts run live, their own price
+        curve.observe(4, 4, 2.55)
+    assert curve.cost(4, 4) == 2.55
+    assert curve.cost(8, 4) == pytest.approx(3.5 + 0.15)
+
+
+def test_a_stale_point_priced_as_before_stays_priced_longer():
+    """A stale point re-tried and found at its old price (within CONFIRMED) goes stale after
+    twice as many steps next time, up to STALE_MAX: a settled curve stops paying for re-tries
+    (at B = 8 each width near the best was re-tried every run). One found cheaper is re-tried
+    after STALE again."""
+    curve = CostCurve()
+    for w, c in {0: 1.0, 1: 1.5, 2: 1.6}.items():
+        curve.profile(w, 4, c)
+
+    def stale_after(width, price):  # steps of other widths until `width` is a guess again
+        for _ in range(MIN_LIVE):
+            curve.observe(width, 4, price)
+        steps = 0
+        while curve.settled(width, 4):
+            curve.observe(0, 4, 1.0)
+            steps += 1
+        return steps
+
+    assert stale_after(2, 2.0) == STALE + 1
+    assert stale_after(2, 1.9) == 2 * STALE + 1  # 1.9 >= 0.9 x 2.0: the price held
+    assert stale_after(2, 1.95) == 4 * STALE + 1
+    assert stale_after(2, 1.2) == STALE + 1  # cheaper than it was: re-tried sooner again
+    assert [stale_after(2, 1.2) for _ in range(6)][-2:] == [STALE_MAX + 1] * 2
 
 
 def _guessed(live_plain: float = 1.0) -> CostCurve:
