@@ -55,7 +55,7 @@ STALE = 64
 # A stale point whose steps priced it again within this share of its old price was right:
 # its horizon doubles (up to STALE_MAX steps), so that a settled curve stops paying for the
 # re-tries. At B = 8 a run of 64 tokens is about 60 steps of the curve, and every width near
-# the best was re-tried each run (17 windows a run where fixed STALE-free choice ran 10).
+# the best was re-tried in each run.
 CONFIRMED, STALE_MAX = 0.9, 16 * STALE
 
 
