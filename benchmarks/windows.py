@@ -10,6 +10,10 @@ widths over the same candidates. Each prompt's wrong positions are drawn apart (
 row), and B = 1 runs ``--rows`` prompts one after another: one draw of 64 positions, shared by
 a batch's rows, is far from A (at A = 0.5 the second draft of a window was accepted after the
 first at 22%), and a fixed k chosen after the fact would win on that draw alone.
+``--open C`` sends C prompts in one generate through B slots instead: a row that ends takes the
+next prompt, a server's regime, where tokens per second is what counts. A closed batch ends
+with its slowest row, and a wider window's tokens vary more from row to row: at A = 0.9, B = 8
+fixed k = 4 beat k = 8 closed and lost to it open.
 code: the built-in model and its draft on held-out code.
 Greedy, EOS ignored; every run's tokens are compared with plain decoding's ("identical");
 speedup = decode tok/s over plain's, each engine's fastest round; paired_speedup = the median
@@ -46,6 +50,7 @@ SUITE.option("--batches", help="batch sizes (1,8)")
 SUITE.option("--rates", default="0,0.25,0.5,0.75,0.9,1", help="oracle: per-draft acceptance")
 SUITE.option("--prompts", type=int, help="code: held-out prompts (6)")
 SUITE.option("--rows", type=int, help="oracle: prompts per batch size, in batches of B (8)")
+SUITE.option("--open", type=int, help="oracle: this many prompts in one generate, through B slots")
 
 
 def _paired(rounds: list[float], base: list[float]) -> float:
@@ -111,13 +116,20 @@ def oracle(args) -> list[Table]:
     rounds = repeats(args, 3, 1)
     config = preset(name)
     model = random_model(config, seed=0)
-    shapes = batch_shapes(batches, prompt_len, n + k + 1)  # the truth runs k + 1 further
+    # Open: a row admitted alone prefills at its own size, not padded to B (a prefill of one
+    # prompt padded to 8 rows cost what 8 cost, and the staggered ends of speculation paid it
+    # for every admission: 19 prefill calls of 0.24 s to plain's 4 at A = 0.5).
+    sizes = {2**i for b in batches for i in range(b.bit_length())} if args.open else set()
+    shapes = batch_shapes([*batches, *sizes], prompt_len, n + k + 1)  # truth: k + 1 further
     rng = np.random.default_rng(0)
-    count = args.rows or (1 if quick else 8)
+    count = args.open or args.rows or (1 if quick else 8)
     prompts = {}  # per batch size: its batches of prompts, run one after another
     for b in batches:
         rows = rng.integers(0, config.vocab_size, (max(b, count) // b * b, prompt_len)).tolist()
-        prompts[b] = [rows[i : i + b] for i in range(0, len(rows), b)]
+        # Open: every prompt in one generate, so a row that ends takes the next prompt (a
+        # server's regime, where tokens per second is the aim); else closed batches of b.
+        size = len(rows) if args.open else b
+        prompts[b] = [rows[i : i + size] for i in range(0, len(rows), size)]
     plain = LLM(model, **shapes)
     truth = {}
     for batch in (batch for b in batches for batch in prompts[b]):
@@ -137,7 +149,9 @@ def oracle(args) -> list[Table]:
             got = decode_rates(engines, prompts[b], n, rounds)
             rows += _table_rows(got, {"A": rate, "B": b})
         title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}"
-        title += f", {len(prompts[b]) * b} prompts, {rounds} paired rounds"
+        count = sum(len(batch) for batch in prompts[b])
+        title += f", {count} prompts {'through B slots' if args.open else 'in batches of B'}"
+        title += f", {rounds} paired rounds"
         tables.append(Table(title, rows, ["A", "B", *COLUMNS], {"k": k, "B": b, "N": n}))
     return tables
 
