@@ -149,8 +149,8 @@ def oracle(args) -> list[Table]:
             got = decode_rates(engines, prompts[b], n, rounds)
             rows += _table_rows(got, {"A": rate, "B": b})
         title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}"
-        count = sum(len(batch) for batch in prompts[b])
-        title += f", {count} prompts {'through B slots' if args.open else 'in batches of B'}"
+        sent = sum(len(batch) for batch in prompts[b])
+        title += f", {sent} prompts {'through B slots' if args.open else 'in batches of B'}"
         title += f", {rounds} paired rounds"
         tables.append(Table(title, rows, ["A", "B", *COLUMNS], {"k": k, "B": b, "N": n}))
     return tables
