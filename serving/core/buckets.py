@@ -62,6 +62,11 @@ class Buckets:
     def tokens(self, n: int) -> int:
         return bucket(n, self.token_buckets)
 
+    @property
+    def min_width(self) -> int:
+        """The narrowest block-table width a step takes (that of short rows)."""
+        return min(MIN_TABLE_WIDTH, self.max_pages_per_seq)
+
     def width(self, placements: Sequence[Placement]) -> int:
         """The step's block-table width (see the module docstring)."""
         need = max(len(p.pages) for p in placements)

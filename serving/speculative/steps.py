@@ -25,7 +25,7 @@ import numpy as np
 
 from kimi_linear_jax.cache import Batch
 from serving.core.allocator import NULL_PAGE
-from serving.core.buckets import MIN_TABLE_WIDTH, Buckets
+from serving.core.buckets import Buckets
 from serving.core.decode import decode_steps
 from serving.core.device_state import DeviceState
 from serving.core.request import Request
@@ -302,11 +302,14 @@ class Verifier:
         compiles and one that warms. Timed one width after another, the first calls after
         each compile ran up to 1.4x slow, and the curve kept a width that pays (w = 2 at
         B = 8) from ever being tried. The windows with a track point's snapshot (a step
-        where the prefix cache checkpoints a row) compile here too, untimed."""
+        where the prefix cache checkpoints a row) compile here too, untimed. The block table
+        is as wide as a short row's (`min_width`): at any other width the profile compiled
+        programs no step ran, and a step at a batch size first seen mid-run (the staggered
+        ends of speculating rows, B = 8 to 1) compiled there, 2 s each."""
         for b in rows:
             batch = Batch(
                 np.full(b, NULL_SLOT, np.int32),
-                np.full((b, MIN_TABLE_WIDTH), NULL_PAGE, np.int32),
+                np.full((b, self.buckets.min_width), NULL_PAGE, np.int32),
                 np.zeros(b, np.int32),
                 np.zeros(b, np.int32),
             )

@@ -648,6 +648,27 @@ def test_start_up_compiles_the_track_point_windows(model, monkeypatch):
     assert real._cache_size() == compiled
 
 
+def test_start_up_compiles_the_windows_of_short_rows_at_every_batch_bucket(model, reference):
+    """Rows shorter than `MIN_TABLE_WIDTH` pages (max_model_len 40: 10 pages of 4) step with
+    a block table of 10 pages: the profile compiles its windows and plain steps at that width,
+    so rows ending one by one (the batch going from bucket 4 to 2 to 1) compile none of them
+    mid-run. It had compiled them at 16 pages, a program no step ran."""
+    import serving.runner as runner
+    import serving.speculative.steps as steps
+
+    shapes = {**SHAPES, "batch_buckets": (1, 2, 4), "max_model_len": 40}
+    truth = {tuple(p): r for p, r in zip(PROMPTS, reference, strict=True)}
+    drafter = OracleDrafter(truth, model.config.vocab_size, lambda p: p % 3 == 2)
+    spec = {"method": "ngram", "num_draft_tokens": 4, "width_policy": "cost"}
+    llm = LLM(model, speculative=spec, drafter=drafter, **shapes)
+    assert llm.runner.buckets.min_width == 10
+    compiled = steps.verify_step._cache_size(), runner.decode_steps._cache_size()
+    params = [dataclasses.replace(GREEDY, max_tokens=m) for m in (8, 14, 20)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r[:m] for r, m in zip(reference, (8, 14, 20))]
+    assert (steps.verify_step._cache_size(), runner.decode_steps._cache_size()) == compiled
+
+
 def test_steps_with_a_track_point_do_not_price_their_width(model, monkeypatch):
     """A step where the prefix cache checkpoints a row runs the snapshot's program (dearer
     than the width's, or a one-token window where no row drafted): it leaves the curve as
