@@ -10,6 +10,7 @@ prompts, so prefill and the first token are left out; best of N, the engines tak
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -100,11 +101,16 @@ class CallTimer:
         self._saved.clear()
 
 
-def generate_run(llm: LLM, prompt, n: int, timer: CallTimer | None = None) -> dict:
-    """One ``generate`` of n tokens for a prompt (a list of ids) or a batch (a list of them):
-    wall time, tokens, and the deltas of the engine's counters and of ``timer``."""
+def generate_run(llm: LLM, prompt, n, timer: CallTimer | None = None) -> dict:
+    """One ``generate`` of n tokens for a prompt (a list of ids) or a batch (a list of them;
+    n may then be a list: each row's own count): wall time, tokens, and the deltas of the
+    engine's counters and of ``timer``."""
     batch = isinstance(prompt[0], list)
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, seed=0)
+    if isinstance(n, list):
+        params = [dataclasses.replace(params, max_tokens=m) for m in n]
+    else:
+        params = dataclasses.replace(params, max_tokens=n)
     before, timed = llm.metrics(), dict(timer.totals) if timer else {}
     t0 = time.perf_counter()
     outs = llm.generate(prompt if batch else [prompt], params, use_tqdm=False)
@@ -118,34 +124,36 @@ def generate_run(llm: LLM, prompt, n: int, timer: CallTimer | None = None) -> di
 
 
 def decode_rates(
-    engines: dict[str, LLM], prompts: list, n: int, rounds: int, timer: CallTimer | None = None
+    engines: dict[str, LLM], prompts: list, n, rounds: int, timer: CallTimer | None = None
 ) -> dict[str, dict]:
     """Per engine: decode tok/s over the prompts (the fastest 1- and n-token runs of each, the
     engines taking turns prompt by prompt, one untimed round first), the n-token runs' tokens
     and counters summed, ``delta``: each counter of the n-token runs less the 1-token ones, and
     ``round_decode_s``: per timed round, the n-token runs' wall less the 1-token ones' (the
-    rounds of all engines ran side by side, so a ratio per round pairs like with like)."""
-    fns = {
-        (name, i, m): functools.partial(generate_run, llm, p, m, timer)
+    rounds of all engines ran side by side, so a ratio per round pairs like with like). n: the
+    tokens of every row, or a list of each row's of a batch (every batch of that size)."""
+    fns = {  # keyed 1 and "n": the n-token runs' n may be a list
+        (name, i, key): functools.partial(generate_run, llm, p, m, timer)
         for i, p in enumerate(prompts)
         for name, llm in engines.items()
-        for m in (1, n)
+        for key, m in ((1, 1), ("n", n))
     }
     runs = interleaved(fns, warmup=1, repeats=rounds)
     rows = sum(len(p) if isinstance(p[0], list) else 1 for p in prompts)
+    new_tokens = rows * n if isinstance(n, int) else len(prompts) * sum(n)
     out = {}
     for name in engines:
         first = [runs[(name, i, 1)].best_result for i in range(len(prompts))]
-        last = [runs[(name, i, n)].best_result for i in range(len(prompts))]
+        last = [runs[(name, i, "n")].best_result for i in range(len(prompts))]
         keys = [k for k in last[0] if k != "tokens"]
         rec = {k: sum(r[k] for r in last) for k in keys}
         rec["delta"] = {k: rec[k] - sum(r[k] for r in first) for k in keys}
-        rec["decode_tok_s"] = rows * (n - 1) / rec["delta"]["wall"]
+        rec["decode_tok_s"] = (new_tokens - rows) / rec["delta"]["wall"]
         rec["tokens"] = [r["tokens"] for r in last]
-        rec["rows"], rec["new_tokens"] = rows, rows * n
+        rec["rows"], rec["new_tokens"] = rows, new_tokens
         rec["round_decode_s"] = [
             sum(
-                runs[(name, i, n)].results[r]["wall"] - runs[(name, i, 1)].results[r]["wall"]
+                runs[(name, i, "n")].results[r]["wall"] - runs[(name, i, 1)].results[r]["wall"]
                 for i in range(len(prompts))
             )
             for r in range(rounds)

@@ -51,6 +51,11 @@ SUITE.option("--rates", default="0,0.25,0.5,0.75,0.9,1", help="oracle: per-draft
 SUITE.option("--prompts", type=int, help="code: held-out prompts (6)")
 SUITE.option("--rows", type=int, help="oracle: prompts per batch size, in batches of B (8)")
 SUITE.option("--open", type=int, help="oracle: this many prompts in one generate, through B slots")
+SUITE.option(
+    "--spread",
+    action="store_true",
+    help="oracle, with --open: each prompt's new tokens drawn from N/4..N, not N for all",
+)
 
 
 def _paired(rounds: list[float], base: list[float]) -> float:
@@ -106,6 +111,8 @@ def oracle(args) -> list[Table]:
     """Fixed widths against cost-aware widths at controlled per-draft acceptance (an oracle
     drafter on the small preset), at each batch size."""
     quick = args.quick
+    if args.spread and not args.open:
+        raise SystemExit("--spread draws each prompt's length in an open run: give --open C")
     name = "tiny" if quick else "small"
     prompt_len, n = (16, 24) if quick else (32, args.max_tokens or 64)
     k = args.k or (2 if quick else 8)
@@ -130,6 +137,14 @@ def oracle(args) -> list[Table]:
         # server's regime, where tokens per second is the aim); else closed batches of b.
         size = len(rows) if args.open else b
         prompts[b] = [rows[i : i + size] for i in range(0, len(rows), size)]
+    # Spread: rows end at their own steps, plain decoding's too, as a server's requests do.
+    # With N for all, plain's rows end on one step and the next prompts prefill together,
+    # while a speculating engine's end apart and prefill one or two at a time (A = 0.5, B = 8:
+    # 21 prefill calls to plain's 4, 13% of its time, its decode steps at plain's speed).
+    counts = {  # new tokens: N, or with --spread each row's of the one open batch
+        b: rng.integers(n // 4, n + 1, len(prompts[b][0])).tolist() if args.spread else n
+        for b in batches
+    }
     plain = LLM(model, **shapes)
     truth = {}
     for batch in (batch for b in batches for batch in prompts[b]):
@@ -146,11 +161,12 @@ def oracle(args) -> list[Table]:
                 fixed = _oracle_llm(model, truth, wrong, w, "fixed", shapes)
                 engines[f"oracle fixed k={w}"] = fixed
             engines[f"oracle cost k<={k}"] = _oracle_llm(model, truth, wrong, k, "cost", shapes)
-            got = decode_rates(engines, prompts[b], n, rounds)
+            got = decode_rates(engines, prompts[b], counts[b], rounds)
             rows += _table_rows(got, {"A": rate, "B": b})
         title = f"{name} preset, random weights, oracle drafts, B = {b}, N = {n}"
         sent = sum(len(batch) for batch in prompts[b])
         title += f", {sent} prompts {'through B slots' if args.open else 'in batches of B'}"
+        title += " (N/4..N tokens each)" if args.spread else ""
         title += f", {rounds} paired rounds"
         tables.append(Table(title, rows, ["A", "B", *COLUMNS], {"k": k, "B": b, "N": n}))
     return tables
