@@ -13,7 +13,9 @@ first at 22%), and a fixed k chosen after the fact would win on that draw alone.
 ``--open C`` sends C prompts in one generate through B slots instead: a row that ends takes the
 next prompt, a server's regime, where tokens per second is what counts. A closed batch ends
 with its slowest row, and a wider window's tokens vary more from row to row: at A = 0.9, B = 8
-fixed k = 4 beat k = 8 closed and lost to it open.
+fixed k = 4 beat k = 8 closed and lost to it open. ``--spread`` (with ``--open``) draws each
+prompt's new tokens from N/4..N: with N for all, plain's rows end on one step and its next
+prompts prefill together, where a speculating engine's rows end apart and prefill one by one.
 code: the built-in model and its draft on held-out code.
 Greedy, EOS ignored; every run's tokens are compared with plain decoding's ("identical");
 speedup = decode tok/s over plain's, each engine's fastest round; paired_speedup = the median
