@@ -70,7 +70,7 @@ class Buckets:
     def width(self, placements: Sequence[Placement]) -> int:
         """The step's block-table width (see the module docstring)."""
         need = max(len(p.pages) for p in placements)
-        width = MIN_TABLE_WIDTH
+        width = self.min_width  # a short row's: the width the cost-aware profile compiles
         while width < need:
             width *= 2
         return min(width, self.max_pages_per_seq)
