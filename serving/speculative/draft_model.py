@@ -57,7 +57,7 @@ from serving.speculative.draft_writes import (
     write_lag,
 )
 from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
-from serving.speculative.lag import Lag
+from serving.speculative.lag import LAG_WIDTHS, Lag
 from serving.speculative.lookup import Ahead, look_up, lookup_window
 
 
@@ -290,8 +290,10 @@ class DraftModelDrafter(Drafter):
                 out.setdefault(int(slot), []).extend(hits[i, : max(n - 1, 0)].tolist())
         return {slot: h for slot, h in out.items() if h}
 
-    def padding_lag(self, batch):
-        ids = np.zeros((int(batch.slots.shape[0]), 1), np.int32)
+    lag_widths = LAG_WIDTHS
+
+    def padding_lag(self, batch, width: int = 1):
+        ids = np.zeros((int(batch.slots.shape[0]), width), np.int32)
         self.cache, hits = write_lag(self.graphdef, self.params, ids, self.cache, batch)
         return hits
 

@@ -183,10 +183,13 @@ class Drafter:
         `lookup_first`); returns what to wait for, None for host drafters."""
         return None
 
-    def padding_lag(self, batch):
-        """A lag pass of one token on padding rows (the cost profile): what a row that rested
-        costs when it drafts again; None for drafters that keep no lag."""
+    def padding_lag(self, batch, width: int = 1):
+        """A lag pass `width` tokens wide on padding rows (the cost profile; one token: what a
+        row that rested costs when it drafts again); None for drafters that keep no lag."""
         return None
+
+    # The widths a lag pass may take (`padding_lag`): the profile compiles each.
+    lag_widths: tuple[int, ...] = ()
 
     # Lag passes written so far (a draft model's): a step that wrote one prices no width.
     lag_passes: int = 0

@@ -19,6 +19,8 @@ from kimi_linear_jax.cache import Batch
 # A lag is written once it holds this many tokens, which bounds the pass's width (the widths
 # compiled are the powers of two up to it).
 MAX_LAG = 16
+# The widths of a lag pass: the powers of two up to MAX_LAG (`Lag.take`).
+LAG_WIDTHS = tuple(1 << i for i in range(MAX_LAG.bit_length()))
 
 
 @dataclasses.dataclass

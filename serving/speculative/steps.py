@@ -302,10 +302,13 @@ class Verifier:
         compiles and one that warms. Timed one width after another, the first calls after
         each compile ran up to 1.4x slow, and the curve kept a width that pays (w = 2 at
         B = 8) from ever being tried. The windows with a track point's snapshot (a step
-        where the prefix cache checkpoints a row) compile here too, untimed. The block table
-        is as wide as a short row's (`min_width`): at any other width the profile compiled
-        programs no step ran, and a step at a batch size first seen mid-run (the staggered
-        ends of speculating rows, B = 8 to 1) compiled there, 2 s each."""
+        where the prefix cache checkpoints a row) compile here too, untimed, and so do a
+        draft model's lag passes of every width (compiled where a lag of that width was
+        first written, each took 0.4-0.6 s in the middle of a run, after a whole warm
+        round). The block table is as wide as a short row's (`min_width`): at any other
+        width the profile compiled programs no step ran, and a step at a batch size first
+        seen mid-run (the staggered ends of speculating rows, B = 8 to 1) compiled there,
+        2 s each."""
         for b in rows:
             batch = Batch(
                 np.full(b, NULL_SLOT, np.int32),
@@ -331,6 +334,8 @@ class Verifier:
                 self.widths.curve.profile(key, b, seconds)
             for w in (-1, *self.widths.widths):  # -1: a step where only a track point verifies
                 jax.block_until_ready(self._padding_step(w, batch, sampling, track=True))
+            for w in self.drafter.lag_widths[1:]:  # one token is timed above
+                jax.block_until_ready(self.drafter.padding_lag(batch, w))
 
     def _padding_step(self, w: int, batch, sampling, track: bool = False, lookup: bool = False):
         state, b = self.state, batch.slots.shape[0]

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
 from kimi_linear_jax.presets import preset
 from kimi_linear_jax.testing import random_model
 from serving.engine import LLM
+from serving.speculative.lag import MAX_LAG
 from serving.speculative.oracle import OracleDrafter
 from serving.speculative.steps import Verifier
 from serving.speculative.widths import CostCurve, WidthPolicy, expected_tokens, window_key
@@ -218,3 +220,23 @@ def test_models_misses_do_not_narrow_the_lookup_windows(model, reference, monkey
     # request's max_tokens at its end.
     assert widths and all(w == p for w, p in widths), widths
     assert max(w for w, _ in widths) == 4, widths
+
+
+def test_start_up_compiles_the_draft_models_lag_passes(model):
+    """A draft model's lag (the tokens of a row that rested) is written in one pass as wide
+    as the next power of two: the cost profile compiles that pass at every width and batch
+    bucket, so no lag compiles in the middle of serving (each had taken 0.4-0.6 s there,
+    after a whole warm round of the benchmark)."""
+    import serving.speculative.draft_model as draft_mod
+
+    spec = {"method": "draft_model", "num_draft_tokens": 1, "prompt_lookup_num_tokens": 2}
+    llm = LLM(model, speculative={**spec, "model": model, "width_policy": "cost"}, **SHAPES)
+    drafter, pages = llm.runner.drafter, np.zeros(llm.runner.buckets.min_width, np.int32)
+    compiled = draft_mod.write_lag._cache_size()
+    for rows in SHAPES["batch_buckets"]:
+        for n in range(1, MAX_LAG + 1):  # a lag of n tokens in slot 0, written as a step would
+            for position in range(n):
+                drafter.lag.add(0, position, 7, pages)
+            drafter._write_lags([0], rows)
+            assert not drafter.lag.pending(0)
+    assert draft_mod.write_lag._cache_size() == compiled
