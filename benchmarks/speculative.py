@@ -555,7 +555,7 @@ CANDIDATES = {
 DRAFT_CALLS = [
     (runner_mod, "decode_steps", "plain"),
     (steps_mod, "verify_step", "verify"),
-    (draft_mod, "decode_steps", "draft"),
+    (draft_mod, "draft_steps", "draft"),
     (draft_mod, "commit_window", "rollback"),
 ]
 
