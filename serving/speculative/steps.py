@@ -297,18 +297,13 @@ class Verifier:
 
     def profile(self, rows, repeats: int = 5) -> None:
         """Seed the cost curve: a plain step and a window of each candidate width, for batches
-        of each of `rows`, on padding rows (same programs, same work; nothing is written),
-        the median of `repeats` rounds that call each width once in turn, after a round that
-        compiles and one that warms. Timed one width after another, the first calls after
-        each compile ran up to 1.4x slow, and the curve kept a width that pays (w = 2 at
-        B = 8) from ever being tried. The windows with a track point's snapshot (a step
-        where the prefix cache checkpoints a row) compile here too, untimed, and so do a
-        draft model's lag passes of every width (compiled where a lag of that width was
-        first written, each took 0.4-0.6 s in the middle of a run, after a whole warm
-        round). The block table is as wide as a short row's (`min_width`): at any other
-        width the profile compiled programs no step ran, and a step at a batch size first
-        seen mid-run (the staggered ends of speculating rows, B = 8 to 1) compiled there,
-        2 s each."""
+        of each of `rows`, on padding rows (same programs, same work; nothing is written):
+        the median of `repeats` rounds that call each width once in turn, after a compiling
+        round and a warm one (timed one width after another, the first calls after a compile
+        ran up to 1.4x slow). Untimed, it compiles the other programs a step may run: the
+        windows with a track point's snapshot and a draft model's lag passes of every width.
+        Its block table is as wide as a short row's (`min_width`), as such steps are. Each
+        program first compiled mid-run had cost 0.4-2 s there (benchmarks/RESULTS.md)."""
         for b in rows:
             batch = Batch(
                 np.full(b, NULL_SLOT, np.int32),
