@@ -14,7 +14,9 @@ A row that rests (no drafts this step) runs no draft step: its last token joins 
 copied, or once the lag is full. That pass computes the draft's logits at every lag position,
 so under cost-aware widths (`keep_shadows`) it also scores them: whether the draft's greedy
 token was the one that followed (`take_shadows`), which measures a resting request's drafts
-with no probe window.
+with no probe window. With lookup first, a step in which no row drafts may go on as plain
+steps on device (`Verifier._until_recurs`, `recurrence_n`), cut where stepping would have
+drafted with the model (`run_steps`); the run's tokens join the lags (`ran`).
 
 Lookup first (`lookup`, `lookup.py`): a row whose context recurs drafts by prompt lookup
 instead, up to `lookup_tokens` tokens, and runs no draft-model step; after the verify the draft
@@ -57,7 +59,7 @@ from serving.speculative.draft_writes import (
     tree_rollback,
     write_lag,
 )
-from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
+from serving.speculative.drafter import PROBE_INTERVAL, Drafter, DraftRecord, pack_trees
 from serving.speculative.lag import LAG_WIDTHS, Lag
 from serving.speculative.lookup import Ahead, look_up, lookup_window
 
@@ -325,6 +327,42 @@ class DraftModelDrafter(Drafter):
 
     def starts_rest(self, slots) -> bool:
         return not all(self.lag.pending(s) for s in slots)
+
+    @property
+    def recurrence_n(self) -> int | None:
+        # Lookup first: in a step where no row drafted, the model rests (gated, or by the
+        # cost-aware widths) and lookup found nothing; lookup drafts again where the n-gram
+        # would, and the model no sooner than `run_steps` allows. So such steps run on
+        # device as the n-gram drafter's do (half the model's steps were these on code).
+        return None if self.lookup is None else self.lookup.recurrence_n
+
+    def run_steps(self, requests, slots, steps):
+        # Each row's lag takes the run's tokens short of full (it holds `last` already:
+        # `_flush_lags`; stepping, the step that fills it writes it), and a gated row drafts
+        # again at its probe (`DraftRecord.may_draft` counted this step's proposal): the
+        # steps up to either are what stepping one at a time runs.
+        bound = list(steps)
+        for i, (request, slot) in enumerate(zip(requests, np.asarray(slots), strict=False)):
+            bound[i] = min(bound[i], self.lag.room(slot))
+            record = request.drafter_state
+            if self.min_acceptance and record is not None:
+                if record.acceptance < self.min_acceptance:
+                    bound[i] = min(bound[i], PROBE_INTERVAL - record.skipped)
+        return bound
+
+    def ran(self, requests, batch, samples, steps) -> None:
+        # The run's tokens after `last` join the rows' lags; a gated row's record counts
+        # the proposals it skipped in them, so its probe comes on the same step.
+        slots, start = np.asarray(batch.slots), np.asarray(batch.start)
+        table = np.asarray(batch.block_table)
+        for i, request in enumerate(requests):
+            tokens = [s.token for s in samples[request.request_id][: steps[i] - 1]]
+            for j, token in enumerate(tokens):
+                self.lag.add(slots[i], start[i] + 1 + j, token, table[i])
+            record = request.drafter_state
+            if self.min_acceptance and record is not None and tokens:
+                if record.acceptance < self.min_acceptance:
+                    record.skipped += len(tokens)
 
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None

@@ -198,6 +198,16 @@ class Drafter:
         """Whether resting a row of these slots would start a lag (a lag pass later)."""
         return False
 
+    def run_steps(self, requests, slots, steps):
+        """Each row's steps of a draftless run (`Verifier._until_recurs`): `steps`, its
+        reserved window, or fewer where the drafter's next proposal could come sooner than
+        the recurrence `recurrence_n` foresees."""
+        return steps
+
+    def ran(self, requests, batch, samples, steps) -> None:
+        """After a draftless run (`Verifier._until_recurs`): row i consumed `steps[i]` tokens
+        from its last one, `samples[request_id]` the tokens the run sampled."""
+
     def reset(self) -> None:
         """Empty every slot and page (the engine rebuilt the target's caches after a fault)."""
 

@@ -49,8 +49,12 @@ class Lag:
         return int(slot) in self._by_slot
 
     def full(self, slot: int) -> bool:
+        return self.room(slot) <= 0
+
+    def room(self, slot: int) -> int:
+        """Tokens the slot's lag may still take."""
         pending = self._by_slot.get(int(slot))
-        return pending is not None and len(pending.tokens) >= MAX_LAG
+        return MAX_LAG - (0 if pending is None else len(pending.tokens))
 
     def drop(self, slots) -> None:
         """Forget these slots' lags (a fresh prefill or a copy overwrites their state)."""

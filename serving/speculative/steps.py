@@ -388,6 +388,7 @@ class Verifier:
         steady = not output.probes and all(map(self._may_run, requests, output.max_drafts))
         if runs and self.draftless_runs and n is not None and steady:
             samples, steps = self._until_recurs(output, batch, n)
+            self.drafter.ran(requests, batch, samples, steps)
         else:
             samples = self._plain(output, [1] * len(requests))
             steps = np.ones(batch.slots.shape, np.int32)
@@ -417,7 +418,7 @@ class Verifier:
         requests = output.decode
         b = batch.slots.shape[0]
         steps = np.zeros(b, np.int32)
-        steps[: len(requests)] = output.decode_steps
+        steps[: len(requests)] = self.drafter.run_steps(requests, batch.slots, output.decode_steps)
         tokens = [r.all_token_ids for r in requests]
         width = MIN_HISTORY  # power-of-two widths: few programs
         while width < max(map(len, tokens)) + self.num_draft_tokens + 1:

@@ -11,6 +11,7 @@ runs, and runs change which rows share one.)
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,3 +162,46 @@ def test_resting_rows_run_under_cost_aware_widths(model):
     assert all(proposed_runs[key] == proposed_step[key] for key in proposed_runs)
     assert {k: m_runs[k] for k in SPEC_KEYS} == {k: m_step[k] for k in SPEC_KEYS}
     assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])
+
+
+def test_a_resting_draft_models_steps_run_with_lookup_first(model):
+    """Lookup first, behind a draft model whose drafts miss (random weights, gated by
+    `min_acceptance`): the model rests after its first windows and drafts again at each
+    probe, and where lookup finds nothing the steps run on device, up to the probe and to
+    the room of the row's lag, whose tokens the run adds. Against stepping one call at a
+    time: the same tokens, lookup proposals and windows (the model's probes on the same
+    steps), and the same draft caches, in fewer engine steps. (To rounding: near a track
+    point a stepping row writes its lag every step, where a run's tokens go in one pass.)"""
+    draft = random_model(preset("tiny"), seed=5)
+    spec = {"method": "draft_model", "model": draft, "num_draft_tokens": 2}
+    spec.update(prompt_lookup_num_tokens=8, min_acceptance=0.5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kw = dict(batch_buckets=(1,), max_num_seqs=1)
+    seen = {}
+    for runs in (False, True):
+        llm = LLM(model, speculative=spec, **{**SHAPES, **kw})
+        llm.runner.verifier.draftless_runs = runs
+        proposals = _spy_proposals(llm.runner.drafter.lookup)
+        drafter, model_windows = llm.runner.drafter, []
+        model_drafts = drafter._model_drafts
+
+        def spy(last, batch, steps, *a, _real=model_drafts, _seen=model_windows, **kw):
+            if steps.any():  # the position each model window drafts from
+                _seen.append(int(np.asarray(batch.start)[0]))
+            return _real(last, batch, steps, *a, **kw)
+
+        drafter._model_drafts = spy
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        tokens = [(o.token_ids, o.finish_reason) for o in outs]
+        seen[runs] = tokens, llm.metrics(), proposals, drafter.cache, model_windows
+    (tokens, m_step, proposed_step, cache_step, at_step) = seen[False]
+    (runs, m_runs, proposed_runs, cache_runs, at_runs) = seen[True]
+    assert runs == tokens and all(len(t) == 48 for t, _ in runs)
+    assert at_runs == at_step and len(at_runs) > 2 * len(PROMPTS), (at_runs, at_step)
+    assert_same_proposals(proposed_runs, proposed_step)
+    keys = (*SPEC_KEYS, "spec_lookup_draft_tokens")
+    assert {k: m_runs[k] for k in keys} == {k: m_step[k] for k in keys}
+    assert m_runs["spec_lookup_draft_tokens"] > 0 and m_runs["spec_draft_tokens"] > 0
+    assert m_runs["steps"] < m_step["steps"], (m_runs["steps"], m_step["steps"])
+    for a, b in zip(jax.tree.leaves(cache_runs), jax.tree.leaves(cache_step), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
