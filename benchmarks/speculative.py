@@ -187,7 +187,7 @@ def _draft_model(name: str):
 def code(args) -> Table:
     """Code continuation with the built-in models: plain, plain with async scheduling, n-gram
     (with and without draftless runs), n-gram with the corpus table, draft model, draft model
-    with lookup first (fixed widths, and cost-aware).
+    with lookup first (fixed widths with and without draftless runs, and cost-aware).
 
     Prompts: the first 128 tokens of held-out standard-library files (the built-in model's
     ``data.json``), batch 1 by default (``--batch B``: groups of B prompts decoded together).
@@ -226,10 +226,17 @@ def code(args) -> Table:
         hybrid = {**knobs, "method": "draft_model", **draft}
         hybrid.update(num_draft_tokens=lookup_model_k, prompt_lookup_num_tokens=lookup_k)
         engines["draft, lookup first"] = LLM(speculative=hybrid, **shapes)
+        # Each step where none drafts its own call (no draftless runs): the baseline of runs.
+        engines["draft, lookup first, stepwise"] = LLM(speculative=hybrid, **shapes)
+        engines["draft, lookup first, stepwise"].runner.verifier.draftless_runs = False
         # The same with cost-aware widths: lookup windows priced apart from the model's.
         hybrid_cost = {**hybrid, "width_policy": "cost"}
         engines["draft, lookup first, cost"] = LLM(speculative=hybrid_cost, **shapes)
-        for name in ("draft, lookup first", "draft, lookup first, cost"):
+        for name in (
+            "draft, lookup first",
+            "draft, lookup first, stepwise",
+            "draft, lookup first, cost",
+        ):
             k_of[name] = f"{lookup_model_k} / {lookup_k}"
     prompts = held_out_prompts(engines["plain"].tokenizer, 128, n, count)
     if b > 1:  # whole groups only
