@@ -34,7 +34,8 @@ from kimi_linear_jax.parallel.target_plan import gpu_backend
 STEPS = {
     runner_mod: ("prefill_step", "decode_steps", "pick_jit", "_next_ids", "prompt_logprobs_step"),
     steps_mod: ("decode_until_recurs", "verify_step", "verify_tree_step"),
-    draft_mod: ("prefill_step", "decode_steps", "write_lag", "catch_up", "commit_window"),
+    # The draft's decode steps run inside `draft_steps` (wrapped, they would be traced there).
+    draft_mod: ("prefill_step", "draft_steps", "write_lag", "catch_up", "commit_window"),
     state_pool_mod: ("copy_slots", "reset_cache_slots"),
 }
 assert hasattr(prompt_logprobs_mod, "prompt_logprobs_step")  # imported by the runner
