@@ -59,7 +59,7 @@ from serving.speculative.draft_writes import (
     tree_rollback,
     write_lag,
 )
-from serving.speculative.drafter import PROBE_INTERVAL, Drafter, DraftRecord, pack_trees
+from serving.speculative.drafter import Drafter, DraftRecord, pack_trees
 from serving.speculative.lag import LAG_WIDTHS, Lag
 from serving.speculative.lookup import Ahead, look_up, lookup_window
 
@@ -344,10 +344,9 @@ class DraftModelDrafter(Drafter):
         bound = list(steps)
         for i, (request, slot) in enumerate(zip(requests, np.asarray(slots), strict=False)):
             bound[i] = min(bound[i], self.lag.room(slot))
-            record = request.drafter_state
-            if self.min_acceptance and record is not None:
-                if record.acceptance < self.min_acceptance:
-                    bound[i] = min(bound[i], PROBE_INTERVAL - record.skipped)
+            record = self._gate(request)
+            rest = 0 if record is None else record.resting(self.min_acceptance)
+            bound[i] = min(bound[i], rest or bound[i])
         return bound
 
     def ran(self, requests, batch, samples, steps) -> None:
@@ -359,10 +358,13 @@ class DraftModelDrafter(Drafter):
             tokens = [s.token for s in samples[request.request_id][: steps[i] - 1]]
             for j, token in enumerate(tokens):
                 self.lag.add(slots[i], start[i] + 1 + j, token, table[i])
-            record = request.drafter_state
-            if self.min_acceptance and record is not None and tokens:
-                if record.acceptance < self.min_acceptance:
-                    record.skipped += len(tokens)
+            record = self._gate(request)
+            if record is not None:
+                record.refused(len(tokens), self.min_acceptance)
+
+    def _gate(self, request) -> DraftRecord | None:
+        """The record that gates the request's model drafts (`_may_draft`), if one does."""
+        return request.drafter_state if self.min_acceptance else None
 
     def reset(self) -> None:
         self.cache, self._per_step, self._window = self._new_cache(), None, None

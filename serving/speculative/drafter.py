@@ -63,6 +63,16 @@ class DraftRecord:
         self.skipped = 0
         return True
 
+    def resting(self, min_acceptance: float) -> int:
+        """After a proposal `may_draft` refused: the proposals it refuses in a row, that one
+        first, before its probe (0 when its acceptance lets it draft)."""
+        return 0 if self.acceptance >= min_acceptance else PROBE_INTERVAL - self.skipped
+
+    def refused(self, proposals: int, min_acceptance: float) -> None:
+        """Count `proposals` more that `may_draft` would have refused (a draftless run's)."""
+        if self.acceptance < min_acceptance:
+            self.skipped += proposals
+
 
 class Drafter:
     """Base: a host drafter proposing from the request's tokens."""

@@ -185,10 +185,10 @@ def test_a_resting_draft_models_steps_run_with_lookup_first(model):
         drafter, model_windows = llm.runner.drafter, []
         model_drafts = drafter._model_drafts
 
-        def spy(last, batch, steps, *a, _real=model_drafts, _seen=model_windows, **kw):
+        def spy(last, batch, steps, *a, _real=model_drafts, _seen=model_windows, **named):
             if steps.any():  # the position each model window drafts from
                 _seen.append(int(np.asarray(batch.start)[0]))
-            return _real(last, batch, steps, *a, **kw)
+            return _real(last, batch, steps, *a, **named)
 
         drafter._model_drafts = spy
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
